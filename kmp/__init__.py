@@ -1,0 +1,34 @@
+"""kmp: mixed precision for Keras 3 on TensorFlow, in one line.
+
+```python
+import kmp
+kmp.set_policy("mixed_float16")
+```
+"""
+
+import keras as _keras
+
+if _keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "kmp needs the TensorFlow backend of Keras. Received: backend="
+        f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before "
+        "importing keras."
+    )
+
+from kmp.loss_scale import LossScaleOptimizer
+from kmp.model import Model
+from kmp.policy import Policy
+from kmp.policy import get_policy
+from kmp.policy import policy_scope
+from kmp.policy import set_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LossScaleOptimizer",
+    "Model",
+    "Policy",
+    "get_policy",
+    "policy_scope",
+    "set_policy",
+]

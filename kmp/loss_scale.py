@@ -1,0 +1,587 @@
+"""Loss scaling: the scaling rule and the optimizer that applies it.
+
+One order of operations, here and nowhere else:
+
+    scale loss -> gradients -> unscale -> finite check -> clip the unscaled
+    gradients -> apply or skip -> update the scale
+"""
+
+import collections
+import math
+import numbers
+
+import keras
+import tensorflow as tf
+from keras import ops
+from keras.src.utils import tracking
+
+LossScaleState = collections.namedtuple(
+    "LossScaleState", ["loss_scale", "good_steps", "hysteresis_left", "skipped_steps"]
+)
+LossScaleState.__doc__ = """The running state of dynamic loss scaling.
+
+Fields:
+    loss_scale: float32 scalar. The current scale.
+    good_steps: integer scalar. Finite steps since the last growth or skip.
+    hysteresis_left: integer scalar. Skips still tolerated before backing off.
+    skipped_steps: integer scalar. Steps skipped in total (never resets).
+"""
+
+
+def update_loss_scale(
+    state,
+    finite,
+    *,
+    dynamic=True,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=2000,
+    hysteresis=1,
+    min_scale=1.0,
+    max_scale=2.0**24,
+):
+    """Returns the loss-scale state after one step (a pure function).
+
+    The Megatron-LM rule, clamped to `[min_scale, max_scale]` so the scale can
+    never become 0, inf or NaN:
+
+    ```
+    if not finite:
+        skipped_steps += 1
+        if dynamic:
+            good_steps = 0
+            hysteresis_left -= 1
+            if hysteresis_left <= 0:
+                loss_scale = max(loss_scale * backoff_factor, min_scale)
+    elif dynamic:
+        good_steps += 1
+        if good_steps == growth_interval:
+            good_steps = 0
+            hysteresis_left = hysteresis
+            loss_scale = min(loss_scale * growth_factor, max_scale)
+    ```
+
+    Written with `keras.ops` and no branches, so it traces into one small
+    graph and compiles under XLA.
+
+    Args:
+        state: `LossScaleState`. The state before the step.
+        finite: Boolean scalar. Whether every gradient of the step was finite.
+        dynamic: Bool. When `False` only `skipped_steps` changes. Defaults to
+            `True`.
+        growth_factor: Float > 1. Defaults to `2.0`.
+        backoff_factor: Float in (0, 1). Defaults to `0.5`.
+        growth_interval: Int >= 1. Defaults to `2000`.
+        hysteresis: Int >= 1. Defaults to `1`.
+        min_scale: Float > 0. Defaults to `1.0`.
+        max_scale: Float >= min_scale. Defaults to `2.0**24`.
+
+    Returns:
+        The next `LossScaleState`, with the same dtypes.
+
+    Example:
+
+    >>> state = LossScaleState(ops.array(8.0), ops.array(0), ops.array(1),
+    ...                        ops.array(0))
+    >>> state = update_loss_scale(state, ops.array(False))
+    >>> float(state.loss_scale), int(state.skipped_steps)
+    (4.0, 1)
+    """
+    finite = ops.cast(finite, "bool")
+    skipped_steps = state.skipped_steps + ops.cast(
+        ops.logical_not(finite), state.skipped_steps.dtype
+    )
+    if not dynamic:
+        return state._replace(skipped_steps=skipped_steps)
+    good_steps = ops.where(finite, state.good_steps + 1, 0)
+    grow = ops.logical_and(finite, good_steps >= growth_interval)
+    good_steps = ops.where(grow, 0, good_steps)
+    hysteresis_left = ops.where(
+        finite,
+        ops.where(grow, hysteresis, state.hysteresis_left),
+        state.hysteresis_left - 1,
+    )
+    back_off = ops.logical_and(ops.logical_not(finite), hysteresis_left <= 0)
+    loss_scale = state.loss_scale
+    loss_scale = ops.where(
+        grow,
+        ops.minimum(loss_scale * growth_factor, max_scale),
+        ops.where(
+            back_off, ops.maximum(loss_scale * backoff_factor, min_scale), loss_scale
+        ),
+    )
+    return LossScaleState(
+        ops.cast(loss_scale, state.loss_scale.dtype),
+        ops.cast(good_steps, state.good_steps.dtype),
+        ops.cast(hysteresis_left, state.hysteresis_left.dtype),
+        skipped_steps,
+    )
+
+
+def _map_gradient(fn, gradient):
+    """Applies `fn` to a dense gradient or to the values of a sparse one."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            fn(gradient.values), gradient.indices, gradient.dense_shape
+        )
+    return fn(gradient)
+
+
+def _values(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def all_finite(gradients):
+    """Returns a boolean scalar: whether every gradient is free of inf and NaN.
+
+    Args:
+        gradients: List of tensors (dense or `tf.IndexedSlices`); `None`
+            entries are ignored.
+
+    Returns:
+        Boolean scalar tensor.
+    """
+    flags = [
+        ops.all(ops.isfinite(_values(g))) for g in gradients if g is not None
+    ]
+    if not flags:
+        return ops.convert_to_tensor(True)
+    return ops.all(ops.stack(flags))
+
+
+def _squared_norm(gradient):
+    return ops.sum(ops.square(ops.cast(_values(gradient), "float32")))
+
+
+def clip_gradients(gradients, clipvalue=None, clipnorm=None, global_clipnorm=None):
+    """Clips gradients by value, then by per-tensor or global norm.
+
+    Both kinds of clipping only shrink values, so the result meets every
+    bound that was asked for. `None` entries pass through.
+
+    Args:
+        gradients: List of tensors (dense or `tf.IndexedSlices`) or `None`.
+        clipvalue: Optional float > 0. Each element is clipped to
+            `[-clipvalue, clipvalue]`.
+        clipnorm: Optional float > 0. Each tensor whose L2 norm exceeds it is
+            rescaled to that norm.
+        global_clipnorm: Optional float > 0. All tensors are rescaled together
+            when their joint L2 norm exceeds it.
+
+    Returns:
+        The list of clipped gradients.
+    """
+    if clipvalue is not None:
+        gradients = [
+            None
+            if g is None
+            else _map_gradient(lambda v: ops.clip(v, -clipvalue, clipvalue), g)
+            for g in gradients
+        ]
+    if clipnorm is not None:
+        gradients = [
+            None
+            if g is None
+            else _map_gradient(
+                lambda v: v
+                * ops.cast(
+                    clipnorm / ops.maximum(ops.sqrt(_squared_norm(v)), clipnorm),
+                    v.dtype,
+                ),
+                g,
+            )
+            for g in gradients
+        ]
+    if global_clipnorm is not None:
+        present = [g for g in gradients if g is not None]
+        if present:
+            norm = ops.sqrt(ops.sum(ops.stack([_squared_norm(g) for g in present])))
+            factor = global_clipnorm / ops.maximum(norm, global_clipnorm)
+            gradients = [
+                None
+                if g is None
+                else _map_gradient(lambda v: v * ops.cast(factor, v.dtype), g)
+                for g in gradients
+            ]
+    return gradients
+
+
+def _check_number(name, value, *, allow_none=False, rule="a finite number > 0",
+                  predicate=lambda v: v > 0):
+    if value is None and allow_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not predicate(value)
+    ):
+        none_note = " or None" if allow_none else ""
+        raise ValueError(
+            f"`{name}` must be {rule}{none_note}. Received: {name}={value!r}"
+        )
+
+
+def _check_integer(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
+        )
+
+
+def _resolve_inner_optimizer(inner_optimizer):
+    if isinstance(inner_optimizer, str):
+        inner_optimizer = keras.optimizers.get(inner_optimizer)
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` is already a loss-scale optimizer "
+            f"({type(inner_optimizer).__name__}); scaling twice would square "
+            "the scale. Pass its `inner_optimizer` instead. Received: "
+            f"inner_optimizer={inner_optimizer!r}"
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance "
+            "or the name of one (e.g. 'adam'). Received: "
+            f"inner_optimizer={inner_optimizer!r} of type "
+            f"{type(inner_optimizer).__name__}"
+        )
+    return inner_optimizer
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """An optimizer that scales the loss, skips non-finite steps and clips.
+
+    It wraps any Keras optimizer. `scale_loss(loss)` multiplies the loss by
+    the current scale so that small float16 gradients do not underflow;
+    `apply(grads, variables)` and `apply_gradients(grads_and_vars)` take the
+    resulting **scaled** gradients and run, once per step:
+
+    ```
+    grads = all_reduce_sum(grads)            # under a tf.distribute strategy
+    grads = grads / loss_scale               # unscale
+    finite = all(isfinite(g) for g in grads) # same answer on every replica
+    if finite:
+        grads = clip(grads)                  # clipvalue, then clipnorm or
+                                             # global_clipnorm, on unscaled grads
+        inner_optimizer.apply(grads)         # updates weights, slots, iterations
+    # else: weights, slots and iterations are left exactly as they were
+    state = update_loss_scale(state, finite) # see `kmp.loss_scale.update_loss_scale`
+    ```
+
+    With `dynamic=True` the scale follows the Megatron-LM rule: after
+    `hysteresis` consecutive non-finite steps it is multiplied by
+    `backoff_factor`, and after `growth_interval` consecutive finite steps by
+    `growth_factor`, always clamped to `[min_scale, max_scale]`. With
+    `dynamic=False` the scale stays fixed but non-finite steps are still
+    skipped and counted.
+
+    It is a subclass of `keras.optimizers.LossScaleOptimizer`, so Keras'
+    `fit` on a plain `keras.Model` calls `scale_loss` and `apply_gradients`
+    and does not wrap it a second time.
+
+    Args:
+        inner_optimizer: `keras.optimizers.Optimizer` instance or name (e.g.
+            `"adam"`). The optimizer that updates the weights.
+        initial_scale: Float. The starting loss scale. Defaults to `2.0**15`.
+        dynamic: Bool. Whether the scale adapts. Defaults to `True`.
+        growth_factor: Float > 1. Multiplies the scale after
+            `growth_interval` finite steps. Defaults to `2.0`.
+        backoff_factor: Float in (0, 1). Multiplies the scale after a
+            non-finite step once hysteresis is used up. Defaults to `0.5`.
+        growth_interval: Int >= 1. Finite steps between growths. Defaults to
+            `2000`.
+        hysteresis: Int >= 1. Non-finite steps tolerated before backing off;
+            refilled at each growth. Defaults to `1`.
+        min_scale: Float > 0. Lower bound of the scale. Defaults to `1.0`.
+        max_scale: Float > 0. Upper bound of the scale. Defaults to `2.0**24`.
+        clipnorm: Optional float > 0. Per-tensor L2-norm clip of the unscaled
+            gradients. Defaults to `None`.
+        global_clipnorm: Optional float > 0. Global L2-norm clip of the
+            unscaled gradients. Defaults to `None`.
+        clipvalue: Optional float > 0. Element-wise clip of the unscaled
+            gradients, applied before any norm clip. Defaults to `None`.
+        name: Optional string. The optimizer's name.
+
+    Raises:
+        TypeError: if `inner_optimizer` is not a Keras optimizer.
+        ValueError: if `inner_optimizer` is itself a loss-scale optimizer, or
+            any other argument breaks its rule. Nothing is changed then.
+
+    Example:
+
+    >>> optimizer = kmp.LossScaleOptimizer("sgd", initial_scale=8.0,
+    ...                                    growth_interval=2)
+    >>> w = keras.Variable([1.0])
+    >>> optimizer.apply([ops.array([8.0 * 0.5])], [w])  # scaled gradient
+    >>> float(w[0]), float(optimizer.loss_scale)
+    (0.995, 8.0)
+    >>> optimizer.apply([ops.array([float("inf")])], [w])  # skipped
+    >>> float(w[0]), int(optimizer.skipped_steps), float(optimizer.loss_scale)
+    (0.995, 1, 4.0)
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        *,
+        initial_scale=2.0**15,
+        dynamic=True,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        hysteresis=1,
+        min_scale=1.0,
+        max_scale=2.0**24,
+        clipnorm=None,
+        global_clipnorm=None,
+        clipvalue=None,
+        name=None,
+    ):
+        inner_optimizer = _resolve_inner_optimizer(inner_optimizer)
+        for arg, value in (
+            ("initial_scale", initial_scale),
+            ("min_scale", min_scale),
+            ("max_scale", max_scale),
+        ):
+            _check_number(arg, value)
+        if not min_scale <= initial_scale <= max_scale:
+            raise ValueError(
+                "The scales must satisfy `min_scale <= initial_scale <= "
+                f"max_scale`. Received: min_scale={min_scale!r}, "
+                f"initial_scale={initial_scale!r}, max_scale={max_scale!r}"
+            )
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"`dynamic` must be True or False. Received: dynamic={dynamic!r}")
+        _check_number("growth_factor", growth_factor, rule="a finite number > 1",
+                      predicate=lambda v: v > 1)
+        _check_number("backoff_factor", backoff_factor,
+                      rule="a number with 0 < backoff_factor < 1",
+                      predicate=lambda v: 0 < v < 1)
+        _check_integer("growth_interval", growth_interval, 1)
+        _check_integer("hysteresis", hysteresis, 1)
+        for arg, value in (
+            ("clipnorm", clipnorm),
+            ("global_clipnorm", global_clipnorm),
+            ("clipvalue", clipvalue),
+        ):
+            _check_number(arg, value, allow_none=True)
+        if clipnorm is not None and global_clipnorm is not None:
+            raise ValueError(
+                "At most one of `clipnorm` and `global_clipnorm` can be set. "
+                f"Received: clipnorm={clipnorm!r}, global_clipnorm={global_clipnorm!r}"
+            )
+
+        super().__init__(
+            inner_optimizer,
+            initial_scale=float(initial_scale),
+            dynamic_growth_steps=int(growth_interval),
+            name=name,
+        )
+        self.dynamic = dynamic
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
+        self.clipnorm = clipnorm
+        self.global_clipnorm = global_clipnorm
+        self.clipvalue = clipvalue
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        def state_variable(name, dtype, value):
+            # Every replica computes the same value, so any replica's will do.
+            return self.add_variable(
+                shape=(),
+                dtype=dtype,
+                initializer=keras.initializers.Constant(value),
+                aggregation="only_first_replica",
+                name=name,
+            )
+
+        self._loss_scale = state_variable("loss_scale", "float32", self.initial_scale)
+        self._good_steps = state_variable("good_steps", "int64", 0)
+        self._hysteresis_left = state_variable("hysteresis_left", "int64", self.hysteresis)
+        self._skipped_steps = state_variable("skipped_steps", "int64", 0)
+        self.inner_optimizer.build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    # -- read-only state ---------------------------------------------------
+
+    @property
+    def loss_scale(self):
+        """Float32 scalar: the current loss scale."""
+        if not self.built:
+            return ops.convert_to_tensor(self.initial_scale, "float32")
+        return tf.identity(self._loss_scale.value)
+
+    @property
+    def skipped_steps(self):
+        """Integer scalar: how many steps were skipped in total."""
+        if not self.built:
+            return ops.convert_to_tensor(0, "int64")
+        return tf.identity(self._skipped_steps.value)
+
+    @property
+    def dynamic_scale(self):
+        # The name Keras' LossScaleOptimizer gives its scale variable.
+        return self._loss_scale
+
+    @property
+    def iterations(self):
+        """The inner optimizer's step count: applied steps only."""
+        return self.inner_optimizer.iterations
+
+    def _state(self):
+        return LossScaleState(
+            self._loss_scale, self._good_steps, self._hysteresis_left, self._skipped_steps
+        )
+
+    # -- the step ------------------------------------------------------------
+
+    def scale_loss(self, loss):
+        """Returns `loss` multiplied by the current loss scale (in float32 or wider)."""
+        return ops.multiply(loss, self.loss_scale)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError(
+            "kmp.LossScaleOptimizer supports the TensorFlow backend, which "
+            "does not call `stateless_apply`."
+        )
+
+    def apply_gradients(self, grads_and_vars):
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables)
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None):
+        """Unscales, checks, clips and applies `grads`, or skips the step.
+
+        Args:
+            grads: List of **scaled** gradients, as computed from
+                `scale_loss(loss)`.
+            trainable_variables: List of variables, or `None` for the ones the
+                optimizer was built with.
+        """
+        grads = list(grads)
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        grads, trainable_variables = self._filter_empty_gradients(
+            grads, trainable_variables
+        )
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "`apply()` must be called in a replica context (inside "
+                "`strategy.run`), not in a cross-replica context."
+            )
+        if (
+            tf.distribute.has_strategy()
+            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            tf.distribute.get_replica_context().merge_call(
+                self._apply_cross_replica, args=(grads, trainable_variables)
+            )
+            return
+        grads, finite = self._unscale_check_clip(grads, trainable_variables)
+        ops.cond(
+            finite,
+            lambda: self.inner_optimizer.apply(grads, trainable_variables),
+            lambda: None,
+        )
+        self._update_state(finite)
+
+    def _unscale_check_clip(self, grads, trainable_variables):
+        """Per replica: reduce, unscale, check, clip. Returns (grads, finite)."""
+        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        if num_replicas > 1:
+            # Decide on the gradients the update will use (the sum over
+            # replicas), so that every replica reaches the same decision.
+            grads = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, grads
+            )
+        scale = self.loss_scale
+        grads = [
+            g
+            if self._overwrite_variable_with_gradient(v)
+            else _map_gradient(lambda t: t / ops.cast(scale, t.dtype), g)
+            for g, v in zip(grads, trainable_variables)
+        ]
+        finite = all_finite(grads)
+        grads = clip_gradients(
+            grads,
+            clipvalue=self.clipvalue,
+            clipnorm=self.clipnorm,
+            global_clipnorm=self.global_clipnorm,
+        )
+        if num_replicas > 1:
+            # The inner optimizer sums over replicas again.
+            grads = [_map_gradient(lambda t: t / num_replicas, g) for g in grads]
+        return grads, finite
+
+    def _apply_cross_replica(self, distribution, grads, trainable_variables):
+        # A strategy that needs merge_call cannot run a cond whose branch calls
+        # merge_call (the inner optimizer's apply does) in a replica context:
+        # decide here, in the cross-replica context, as Keras does.
+        grads, finite_per_replica = distribution.extended.call_for_each_replica(
+            self._unscale_check_clip, args=(grads, trainable_variables)
+        )
+        # Every replica checked the same all-reduced gradients.
+        finite = distribution.experimental_local_results(finite_per_replica)[0]
+
+        def apply_on_each_replica():
+            distribution.extended.call_for_each_replica(
+                self.inner_optimizer.apply, args=(grads, trainable_variables)
+            )
+
+        ops.cond(finite, apply_on_each_replica, lambda: None)
+        self._update_state(finite)
+
+    def _update_state(self, finite):
+        new_state = update_loss_scale(
+            self._state(),
+            finite,
+            dynamic=self.dynamic,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            hysteresis=self.hysteresis,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+        )
+        for variable, value in zip(self._state(), new_state):
+            variable.assign(value)
+
+    # -- serialization -------------------------------------------------------
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "initial_scale": self.initial_scale,
+            "dynamic": self.dynamic,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "clipnorm": self.clipnorm,
+            "global_clipnorm": self.global_clipnorm,
+            "clipvalue": self.clipvalue,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner_optimizer = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner_optimizer, **config)

@@ -1,0 +1,231 @@
+"""kmp.Model: a keras.Model whose training applies the precision policy."""
+
+import numbers
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import ops
+from keras.src import tree
+from keras.src.losses import loss as keras_loss_module
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from kmp import loss_scale as loss_scale_module
+from kmp import policy as policy_module
+
+_LOSS_SCALE_CHOICES = "'auto', 'dynamic', a positive number, or None"
+
+
+def _to_float32(outputs):
+    def cast(x):
+        if x is not None and keras.backend.is_float_dtype(x.dtype) and (
+            keras.backend.standardize_dtype(x.dtype) != "float32"
+        ):
+            return ops.cast(x, "float32")
+        return x
+
+    return tree.map_structure(cast, outputs)
+
+
+def _computes_in_float16(model):
+    if model.dtype_policy.compute_dtype == "float16":
+        return True
+    return any(
+        layer.compute_dtype == "float16"
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+    )
+
+
+def _loss_scale_optimizer(optimizer, loss_scale, model):
+    """Returns the optimizer `compile` should use for `loss_scale`."""
+    if isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        # One scaler, never two: take over Keras' settings with kmp's.
+        inner = optimizer.inner_optimizer
+        if loss_scale is None:
+            return inner
+        return loss_scale_module.LossScaleOptimizer(
+            inner,
+            initial_scale=optimizer.initial_scale,
+            growth_interval=optimizer.dynamic_growth_steps,
+        )
+    if loss_scale == "auto":
+        loss_scale = "dynamic" if _computes_in_float16(model) else None
+    if loss_scale is None or optimizer is None:
+        return optimizer
+    if loss_scale == "dynamic":
+        return loss_scale_module.LossScaleOptimizer(optimizer)
+    return loss_scale_module.LossScaleOptimizer(
+        optimizer,
+        initial_scale=loss_scale,
+        dynamic=False,
+        min_scale=loss_scale,
+        max_scale=loss_scale,
+    )
+
+
+def _check_loss_scale(loss_scale):
+    if loss_scale in (None, "auto", "dynamic"):
+        return
+    if (
+        isinstance(loss_scale, bool)
+        or not isinstance(loss_scale, numbers.Real)
+        or not (0 < loss_scale < float("inf"))
+    ):
+        raise ValueError(
+            f"`loss_scale` must be {_LOSS_SCALE_CHOICES}. "
+            f"Received: loss_scale={loss_scale!r}"
+        )
+
+
+def _inject_functional(cls):
+    """Puts `FunctionalModel` in place of `Model` in `cls`'s bases.
+
+    Keras does the same with `Functional` for `keras.Model` subclasses that
+    call `super().__init__(inputs, outputs)`, but it would rewrite
+    `kmp.Model`'s own bases, turning every later subclassed model into a
+    broken functional one.
+    """
+    if cls is Model:
+        return FunctionalModel
+    if cls is object or not issubclass(cls, Model) or issubclass(cls, Functional):
+        return cls
+    cls.__bases__ = tuple(_inject_functional(base) for base in cls.__bases__)
+    return cls
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class Model(keras.Model):
+    """A `keras.Model` that trains in mixed precision with loss scaling.
+
+    Use it exactly like `keras.Model`: functional (`kmp.Model(inputs,
+    outputs)`) or as the base class of a subclassed model. Inside it:
+
+    - layers compute in the policy's compute dtype (see `kmp.set_policy`),
+      with float32 variables;
+    - normalization layers and `Softmax` compute in float32;
+    - outputs are float32, so losses, metrics and exported signatures are
+      float32;
+    - `compile(loss_scale="auto")` wraps the optimizer in a
+      `kmp.LossScaleOptimizer` when the model computes in float16, and
+      Keras' own loss scaling is turned off (one scaler, never two);
+    - each training step scales the loss, unscales and checks the gradients,
+      skips non-finite steps, and adds `loss_scale` and `skipped_steps` to
+      the logs (so they show in the progress bar and in `History`).
+
+    Example:
+
+    ```python
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(2, activation="softmax")(inputs)
+    model = kmp.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    history = model.fit(x, y, epochs=2)
+    history.history["loss_scale"], history.history["skipped_steps"]
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Model and functional_init_arguments(args, kwargs):
+            cls = FunctionalModel
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        if functional_init_arguments(args, kwargs):
+            # Never through keras.Model.__init__, which rewrites class bases
+            # up to keras.Model (see `_inject_functional`).
+            _inject_functional(type(self))
+            keras.src.models.model.Trainer.__init__(self)
+            Functional.__init__(self, *args, **kwargs)
+            policy_module._keep_float32_layers(self)
+        else:
+            super().__init__(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        policy_module._keep_float32_layers(self)
+        return _to_float32(super().__call__(*args, **kwargs))
+
+    def compile(self, optimizer="rmsprop", *args, loss_scale="auto", **kwargs):
+        """Configures the model for training, with loss scaling.
+
+        Takes every argument of `keras.Model.compile`, plus `loss_scale`.
+
+        Args:
+            optimizer: As for `keras.Model.compile`. A
+                `kmp.LossScaleOptimizer` is used as given; Keras'
+                `LossScaleOptimizer` is replaced by kmp's with the same inner
+                optimizer and settings.
+            loss_scale: `"auto"` (the default): dynamic loss scaling when the
+                model computes in float16, none otherwise. `"dynamic"`: dynamic
+                scaling whatever the dtype. A positive number: a fixed scale
+                (non-finite steps are still skipped). `None`: no scaling.
+            **kwargs: The other arguments of `keras.Model.compile`.
+                `auto_scale_loss=False` means `loss_scale=None`.
+
+        Raises:
+            ValueError: if `loss_scale` is not one of the above.
+        """
+        _check_loss_scale(loss_scale)
+        if kwargs.pop("auto_scale_loss", True) is False and loss_scale == "auto":
+            loss_scale = None
+        optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
+        optimizer = _loss_scale_optimizer(optimizer, loss_scale, self)
+        self._kmp_loss_scale = loss_scale
+        super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config is not None:
+            config["loss_scale"] = getattr(self, "_kmp_loss_scale", "auto")
+        return config
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on load when a class overrides it; ours only
+        # adds `loss_scale`, which the config carries.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def train_step(self, data):
+        optimizer = self.optimizer
+        if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
+            return super().train_step(data)
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = ops.cast(
+                self._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                ),
+                "float32",
+            )
+            self._loss_tracker.update_state(
+                keras_loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(
+                    next(i for i in tree.flatten(x) if i is not None)
+                )[0],
+            )
+            scaled_loss = optimizer.scale_loss(loss)
+        trainable_weights = self.trainable_weights
+        if trainable_weights:
+            gradients = tape.gradient(scaled_loss, trainable_weights)
+            optimizer.apply_gradients(zip(gradients, trainable_weights))
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs["loss_scale"] = optimizer.loss_scale
+        logs["skipped_steps"] = optimizer.skipped_steps
+        return logs
+
+
+@keras.saving.register_keras_serializable(package="kmp", name="FunctionalModel")
+class FunctionalModel(Model, Functional):
+    """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model."""

@@ -15,6 +15,8 @@ if _keras.backend.backend() != "tensorflow":
         "importing keras."
     )
 
+from kmp.export import export
+from kmp.export import load_model
 from kmp.loss_scale import LossScaleOptimizer
 from kmp.model import Model
 from kmp.policy import Policy
@@ -28,7 +30,9 @@ __all__ = [
     "LossScaleOptimizer",
     "Model",
     "Policy",
+    "export",
     "get_policy",
+    "load_model",
     "policy_scope",
     "set_policy",
 ]

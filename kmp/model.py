@@ -191,6 +191,40 @@ class Model(keras.Model):
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
+    def export(
+        self,
+        filepath,
+        format="tf_saved_model",
+        verbose=None,
+        input_signature=None,
+        inference_policy=None,
+        **kwargs,
+    ):
+        """Exports the model for inference, computing in `inference_policy`.
+
+        `keras.Model.export` plus `inference_policy` (`"float32"`,
+        `"mixed_float16"`, `"mixed_bfloat16"`, `"auto"`, or `None` for the
+        training policy); inputs and outputs stay float32. See `kmp.export`.
+
+        Example:
+
+        ```python
+        model.export("serving/", inference_policy="float32")
+        ```
+        """
+        # Imported here: kmp.export imports this module.
+        from kmp.export import export
+
+        return export(
+            self,
+            filepath,
+            format=format,
+            verbose=verbose,
+            input_signature=input_signature,
+            inference_policy=inference_policy,
+            **kwargs,
+        )
+
     def train_step(self, data):
         optimizer = self.optimizer
         if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer):

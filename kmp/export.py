@@ -1,0 +1,302 @@
+"""Deployment: serve in a chosen precision, load under another policy.
+
+A model's precision is a property of its layers' dtype policies, not of its
+weights: the variables are float32 under every kmp policy. So the precision a
+model serves or evaluates in can be chosen after training. The rule that says
+which layers follow the new precision is written once, in
+`_inference_layer_policy`, and used both by `export` and by `load_model`:
+
+```
+for each layer (the model itself included, input layers excluded):
+    quantized, or not computing in floating point -> left as it is
+    normalization or Softmax                      -> float32
+    computes in float32 under a 16-bit model      -> left in float32 (pinned)
+    otherwise                                     -> the new policy
+```
+"""
+
+import contextlib
+
+import keras
+from keras.src.export.export_utils import get_input_signature
+
+from kmp import loss_scale as loss_scale_module
+from kmp import policy as policy_module
+from kmp.model import _to_float32
+
+INFERENCE_POLICY_NAMES = policy_module.POLICY_NAMES + ("auto",)
+_16_BIT_DTYPES = ("float16", "bfloat16")
+
+
+def _resolve_policy_name(argument, value):
+    """Returns the kmp policy name `value` asks for (`"auto"` resolved)."""
+    if isinstance(value, policy_module.Policy):
+        return value.name
+    if value == "auto":
+        return policy_module._resolve_auto().name
+    if isinstance(value, str) and value in policy_module.POLICY_NAMES:
+        return value
+    raise ValueError(
+        f"Unknown policy name. `{argument}` must be one of "
+        f"{', '.join(map(repr, INFERENCE_POLICY_NAMES))} or None (the "
+        f"model's own policy). Received: {argument}={value!r}"
+    )
+
+
+def _inference_layer_policy(layer, model_compute_dtype, policy_name):
+    """The dtype policy `layer` gets under `policy_name`, or `None` to keep its own."""
+    current = layer.dtype_policy
+    if isinstance(layer, keras.layers.InputLayer):
+        return None
+    if current.quantization_mode is not None:
+        # The quantized kernels are tied to the policy they were built for.
+        return None
+    if not keras.backend.is_float_dtype(current.compute_dtype):
+        return None
+    if isinstance(layer, policy_module.FLOAT32_LAYER_CLASSES):
+        return "float32"
+    if current.compute_dtype == "float32" and model_compute_dtype != "float32":
+        # A float32 layer inside a 16-bit model was pinned there on purpose
+        # (an output head, a loss-sensitive block): keep the user's choice.
+        return None
+    return policy_name
+
+
+def _set_compute_policy(model, policy_name):
+    """Applies `policy_name` to the layers of `model` by the module's rule.
+
+    Returns:
+        List of `(layer, previous_dtype_policy)` for every layer changed, in
+        the order they were changed.
+    """
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    # Not `model.dtype_policy`: a loaded functional model takes the global
+    # policy of the moment it was loaded, whatever its layers were saved with.
+    model_compute_dtype = (
+        "float16"
+        if any(
+            keras.backend.standardize_dtype(layer.compute_dtype) in _16_BIT_DTYPES
+            and not isinstance(
+                layer, (keras.layers.InputLayer,) + policy_module.FLOAT32_LAYER_CLASSES
+            )
+            for layer in layers[1:]
+        )
+        else "float32"
+    )
+    changed = []
+    for layer in layers:
+        if layer is model:
+            # The model's own policy only casts its inputs: always follow.
+            new_policy = policy_name
+        else:
+            new_policy = _inference_layer_policy(
+                layer, model_compute_dtype, policy_name
+            )
+        if new_policy is not None and new_policy != layer.dtype_policy.name:
+            changed.append((layer, layer.dtype_policy))
+            layer.dtype_policy = new_policy
+    return changed
+
+
+@contextlib.contextmanager
+def _compute_policy_scope(model, policy_name):
+    """Runs a block with `model` computing under `policy_name`, then restores it.
+
+    The layers are switched in place: the variables (float32 under every
+    kmp policy) are shared, so nothing is copied and the block sees exactly
+    the trained weights. `None` leaves the model as it is.
+    """
+    if policy_name is None:
+        yield
+        return
+    changed = _set_compute_policy(model, policy_name)
+    try:
+        yield
+    finally:
+        for layer, previous in reversed(changed):
+            layer.dtype_policy = previous
+
+
+def export(
+    model,
+    filepath,
+    format="tf_saved_model",
+    verbose=None,
+    input_signature=None,
+    inference_policy=None,
+    **kwargs,
+):
+    """Exports any Keras model for inference in a chosen precision.
+
+    The same as `keras.Model.export`, plus `inference_policy`: the served
+    graph computes in that precision while the inputs keep their dtypes and
+    floating-point outputs are float32. The model itself is left as it was.
+
+    Which layers follow `inference_policy`:
+
+    ```
+    normalization layers and Softmax           -> float32 (whatever the policy)
+    a float32 layer in a 16-bit model (pinned) -> float32
+    quantized or non-float layers              -> unchanged
+    every other layer                          -> inference_policy
+    ```
+
+    So `inference_policy="float32"` exported from a `mixed_float16` model
+    gives a graph with no float16 op: the same predictions without float16
+    rounding, and several times faster on CPUs, which emulate float16.
+
+    The SavedModel needs neither kmp nor Keras to run: load it with
+    `tf.saved_model.load` or convert it with
+    `tf.lite.TFLiteConverter.from_saved_model`.
+
+    Args:
+        model: A built `keras.Model` (a `kmp.Model` or a plain one, e.g. built
+            under `keras.config.set_dtype_policy("mixed_float16")`).
+        filepath: String or `pathlib.Path`. Where to write the artifact.
+        format: String. As for `keras.Model.export`: `"tf_saved_model"` (the
+            default), `"onnx"`, `"openvino"` or `"litert"`. Float32 outputs
+            are guaranteed for `"tf_saved_model"`; the other formats trace
+            `model` as it is, which for a `kmp.Model` also means float32
+            outputs.
+        verbose: Optional bool. Whether to print a message about the
+            artifact. Defaults to `None` (Keras' default: print).
+        input_signature: Optional. As for `keras.Model.export`. Defaults to
+            `None`: taken from the model's inputs.
+        inference_policy: Optional string or `kmp.Policy`. The precision the
+            exported graph computes in: `"float32"`, `"mixed_float16"`,
+            `"mixed_bfloat16"` or `"auto"` (chosen, as by
+            `kmp.set_policy("auto")`, for the machine that exports).
+            Defaults to `None`: the precision the model computes in now.
+        **kwargs: Passed on to Keras' exporter for `format`.
+
+    Returns:
+        `None`.
+
+    Raises:
+        ValueError: if `inference_policy` is not one of the names above (the
+            model is not changed), or if Keras refuses the export (e.g. the
+            model is not built).
+
+    Example:
+
+    ```python
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    ...  # train
+    kmp.export(model, "serving/", inference_policy="float32")
+    served = tf.saved_model.load("serving/")
+    served.serve(x)  # float32 in, float32 out, no float16 op in the graph
+    ```
+    """
+    policy_name = (
+        None
+        if inference_policy is None
+        else _resolve_policy_name("inference_policy", inference_policy)
+    )
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model`. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    with _compute_policy_scope(model, policy_name):
+        if format != "tf_saved_model":
+            keras.Model.export(
+                model,
+                filepath,
+                format=format,
+                verbose=verbose,
+                input_signature=input_signature,
+                **kwargs,
+            )
+            return
+        # Keras' own SavedModel export, with the outputs cast to float32: a
+        # plain keras.Model under a 16-bit policy would otherwise serve
+        # 16-bit outputs.
+        if input_signature is None:
+            input_signature = get_input_signature(model)
+
+        def serve(*args, **call_kwargs):
+            return _to_float32(model(*args, **call_kwargs))
+
+        archive = keras.export.ExportArchive()
+        archive.track(model)
+        archive.add_endpoint("serve", serve, input_signature, **kwargs)
+        archive.write_out(filepath, verbose=True if verbose is None else verbose)
+
+
+def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mode=True):
+    """Loads a `.keras` file and makes it compute under `policy`.
+
+    The weights are float32 under every policy and are loaded unchanged; the
+    layers' compute dtypes follow `policy` by the rule of `kmp.export` (a
+    `mixed_float16` model trained on a GPU evaluates in float32 on a CPU, and
+    the other way round). The compiled optimizer comes back with its state:
+    a `kmp.LossScaleOptimizer` keeps its scale and counters under every
+    policy, so a later load under float16 continues with the same scale. A
+    model that now computes in float16 but was saved without loss scaling
+    gets a `kmp.LossScaleOptimizer` around its loaded optimizer (unless it is
+    a `kmp.Model` compiled with `loss_scale=None`).
+
+    Args:
+        filepath: String or `pathlib.Path`. A `.keras` file.
+        policy: Optional string or `kmp.Policy`. `"float32"`,
+            `"mixed_float16"`, `"mixed_bfloat16"` or `"auto"`. Defaults to
+            `None`: the policies stored in the file.
+        custom_objects: Optional dict. As for `keras.saving.load_model`.
+        compile: Bool. Whether to compile the model (and restore the
+            optimizer). Defaults to `True`.
+        safe_mode: Bool. As for `keras.saving.load_model`. Defaults to `True`.
+
+    Returns:
+        The loaded model.
+
+    Raises:
+        ValueError: if `policy` is not one of the names above.
+
+    Example:
+
+    ```python
+    model.save("run.keras")                       # trained in mixed_float16
+    model32 = kmp.load_model("run.keras", policy="float32")
+    model32.evaluate(x, y)                        # float32 math, same weights
+    ```
+    """
+    policy_name = None if policy is None else _resolve_policy_name("policy", policy)
+    if policy_name is None:
+        return keras.saving.load_model(
+            filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
+        )
+    # Loaded under float32 so that the global policy cannot leak into the
+    # model's own policy: compile() must see the precision the file was saved
+    # in, or it would build an optimizer whose variables do not match the
+    # saved ones and Keras would drop the optimizer state.
+    with policy_module.policy_scope("float32"):
+        model = keras.saving.load_model(
+            filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
+        )
+    _set_compute_policy(model, policy_name)
+    if compile:
+        _add_loss_scaling_if_needed(model)
+    return model
+
+
+def _add_loss_scaling_if_needed(model):
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return
+    if getattr(model, "_kmp_loss_scale", "auto") is None:
+        return
+    computes_in_float16 = any(
+        layer.compute_dtype == "float16"
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+    )
+    if not computes_in_float16:
+        return
+    # The loaded optimizer keeps its slots and iterations: Keras optimizers
+    # do not rebuild once built, so the wrapper only adds its own state.
+    wrapped = loss_scale_module.LossScaleOptimizer(optimizer)
+    model.optimizer = wrapped
+    compile_config = getattr(model, "_compile_config", None)
+    if compile_config is not None and "optimizer" in compile_config.config:
+        # So that the next save records the optimizer whose state it writes.
+        compile_config.config["optimizer"] = wrapped

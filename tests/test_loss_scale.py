@@ -1,0 +1,490 @@
+import math
+
+import hypothesis
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import strategies as st
+from keras import ops
+
+import kmp
+from kmp.loss_scale import LossScaleState
+from kmp.loss_scale import update_loss_scale
+
+
+class ReferenceScaler:
+    """The issue's state machine in plain Python, the scale rounded to float32
+    after every update as the float32 variable is."""
+
+    def __init__(self, initial_scale=2.0**15, dynamic=True, growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=2000, hysteresis=1,
+                 min_scale=1.0, max_scale=2.0**24):
+        self.scale = np.float32(initial_scale)
+        self.dynamic = dynamic
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.min_scale, self.max_scale = min_scale, max_scale
+        self.good_steps, self.hysteresis_left, self.skipped_steps = 0, hysteresis, 0
+        self.applied_steps = 0
+
+    def step(self, finite):
+        if not finite:
+            self.skipped_steps += 1
+            if self.dynamic:
+                self.good_steps = 0
+                self.hysteresis_left -= 1
+                if self.hysteresis_left <= 0:
+                    self.scale = np.float32(
+                        max(self.scale * np.float32(self.backoff_factor), self.min_scale)
+                    )
+            return
+        self.applied_steps += 1
+        if self.dynamic:
+            self.good_steps += 1
+            if self.good_steps == self.growth_interval:
+                self.good_steps = 0
+                self.hysteresis_left = self.hysteresis
+                self.scale = np.float32(
+                    min(self.scale * np.float32(self.growth_factor), self.max_scale)
+                )
+
+
+def _f32(x):
+    return float(np.float32(x))
+
+
+def _state(scale, hysteresis):
+    return LossScaleState(
+        ops.convert_to_tensor(scale, "float32"),
+        ops.convert_to_tensor(0, "int64"),
+        ops.convert_to_tensor(hysteresis, "int64"),
+        ops.convert_to_tensor(0, "int64"),
+    )
+
+
+_CONFIGS = st.fixed_dictionaries(
+    {
+        "initial_scale": st.sampled_from([1.0, 3.0, 2.0**10, 2.0**15]),
+        "growth_factor": st.sampled_from([1.5, 2.0, 4.0]),
+        "backoff_factor": st.sampled_from([0.25, 0.5, 0.9]),
+        "growth_interval": st.integers(1, 6),
+        "hysteresis": st.integers(1, 4),
+        "min_scale": st.sampled_from([2.0**-3, 1.0]),
+        "max_scale": st.sampled_from([2.0**15, 2.0**17, 1e6]),
+        "dynamic": st.booleans(),
+    }
+)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(config=_CONFIGS, steps=st.lists(st.booleans(), min_size=1, max_size=300))
+def test_pure_rule_matches_reference_over_random_sequences(config, steps):
+    reference = ReferenceScaler(**config)
+    update = tf.function(
+        lambda state, finite: update_loss_scale(
+            state, finite, **{k: v for k, v in config.items() if k != "initial_scale"}
+        )
+    )
+    state = _state(config["initial_scale"], config["hysteresis"])
+    for finite in steps:
+        reference.step(finite)
+        state = update(state, tf.constant(finite))
+        assert float(state.loss_scale) == _f32(reference.scale)
+        assert int(state.good_steps) == reference.good_steps
+        assert int(state.hysteresis_left) == reference.hysteresis_left
+        assert int(state.skipped_steps) == reference.skipped_steps
+
+
+def test_scale_stays_within_bounds_and_never_degenerates():
+    update = tf.function(
+        lambda state, finite: update_loss_scale(
+            state, finite, growth_interval=1, min_scale=0.5, max_scale=2.0**20
+        )
+    )
+    state = _state(2.0**10, 1)
+    for _ in range(200):
+        state = update(state, tf.constant(True))
+    assert float(state.loss_scale) == 2.0**20
+    for _ in range(500):
+        state = update(state, tf.constant(False))
+        assert 0.5 <= float(state.loss_scale) <= 2.0**20
+    assert float(state.loss_scale) == 0.5
+    assert int(state.skipped_steps) == 500
+
+
+def _adam_model(seed=0):
+    rng = np.random.default_rng(seed)
+    variables = [
+        keras.Variable(rng.normal(size=(3, 2)).astype("float32"), name="kernel"),
+        keras.Variable(rng.normal(size=(2,)).astype("float32"), name="bias"),
+    ]
+    return variables
+
+
+def _grads(rng, scale=1.0, poison=None):
+    grads = [rng.normal(size=(3, 2)).astype("float32"), rng.normal(size=(2,)).astype("float32")]
+    if poison is not None:
+        grads[1][0] = poison
+    return [tf.constant(g * scale) for g in grads]
+
+
+@hypothesis.settings(max_examples=15, deadline=None)
+@hypothesis.given(config=_CONFIGS, steps=st.lists(st.booleans(), min_size=1, max_size=25))
+def test_optimizer_matches_reference_over_random_sequences(config, steps):
+    reference = ReferenceScaler(**config)
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), **config)
+    variables = _adam_model()
+    apply = tf.function(lambda grads: optimizer.apply(grads, variables))
+    rng = np.random.default_rng(1)
+    for finite in steps:
+        apply(_grads(rng, poison=None if finite else np.nan))
+        reference.step(finite)
+        assert float(optimizer.loss_scale) == _f32(reference.scale)
+        assert int(optimizer.skipped_steps) == reference.skipped_steps
+        assert int(optimizer.iterations) == reference.applied_steps
+        assert int(optimizer._good_steps) == reference.good_steps
+        assert int(optimizer._hysteresis_left) == reference.hysteresis_left
+
+
+def test_scale_in_closed_form_after_growths_and_skips():
+    # As torch's GradScaler tests: init * growth**n_grown * backoff**n_skipped.
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=2.0**8, growth_interval=3
+    )
+    variables = _adam_model()
+    rng = np.random.default_rng(0)
+    pattern = [True] * 7 + [False] + [True] * 3 + [False, False] + [True] * 6
+    for finite in pattern:
+        optimizer.apply(_grads(rng, poison=None if finite else np.inf), variables)
+    # Growths: after steps 3 and 6, then 3 finite after the skip, then 6 -> 2.
+    assert float(optimizer.loss_scale) == 2.0**8 * 2.0**5 * 0.5**3
+    assert int(optimizer.skipped_steps) == 3
+    assert int(optimizer.iterations) == len(pattern) - 3
+
+
+@pytest.mark.parametrize("poison", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_skipped_step_leaves_weights_slots_and_iterations_untouched(poison, mode):
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(0.1), initial_scale=4.0)
+    variables = _adam_model()
+    def apply(grads):
+        optimizer.apply(grads, variables)
+
+    if mode != "eager":
+        apply = tf.function(apply, jit_compile=mode == "xla")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        apply(_grads(rng, scale=4.0))
+    before = [v.numpy().copy() for v in variables + optimizer.inner_optimizer.variables]
+    apply(_grads(rng, scale=4.0, poison=poison))
+    after = [v.numpy() for v in variables + optimizer.inner_optimizer.variables]
+    for old, new in zip(before, after):
+        np.testing.assert_array_equal(old, new)
+    assert int(optimizer.iterations) == 3
+    assert int(optimizer.skipped_steps) == 1
+    assert float(optimizer.loss_scale) == 2.0
+
+
+def test_scaled_gradients_update_like_unscaled_ones_in_the_inner_optimizer():
+    scaled_vars, control_vars = _adam_model(), _adam_model()
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0**12)
+    control = keras.optimizers.Adam(0.01)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        grads = _grads(rng)
+        optimizer.apply([g * 2.0**12 for g in grads], scaled_vars)
+        control.apply(grads, control_vars)
+    for scaled, plain in zip(scaled_vars, control_vars):
+        np.testing.assert_array_equal(scaled.numpy(), plain.numpy())
+    assert int(optimizer.iterations) == 5
+
+
+def _clip_reference(grads, clipvalue=None, clipnorm=None, global_clipnorm=None):
+    grads = [np.asarray(g, np.float64) for g in grads]
+    if clipvalue is not None:
+        grads = [np.clip(g, -clipvalue, clipvalue) for g in grads]
+    if clipnorm is not None:
+        grads = [g * min(1.0, clipnorm / np.linalg.norm(g)) for g in grads]
+    if global_clipnorm is not None:
+        norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads))
+        grads = [g * min(1.0, global_clipnorm / norm) for g in grads]
+    return grads
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [
+        {"clipvalue": 0.3},
+        {"clipnorm": 0.5},
+        {"global_clipnorm": 0.5},
+        {"clipvalue": 0.4, "global_clipnorm": 0.5},
+        {"clipvalue": 0.4, "clipnorm": 0.5},
+    ],
+)
+def test_clipping_applies_to_unscaled_gradients(clip):
+    # With scale 2**10 the scaled gradients are ~1000x the clip bounds: clipping
+    # them before unscaling would shrink the update another 1000 times.
+    scale = 2.0**10
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=scale, **clip
+    )
+    variables = _adam_model()
+    start = [v.numpy().astype(np.float64) for v in variables]
+    rng = np.random.default_rng(7)
+    grads = _grads(rng)
+    optimizer.apply([g * scale for g in grads], variables)
+    expected_steps = _clip_reference([g.numpy() for g in grads], **clip)
+    for variable, initial, step in zip(variables, start, expected_steps):
+        np.testing.assert_allclose(variable.numpy(), initial - step, rtol=1e-6, atol=1e-6)
+
+
+def test_clipping_never_hides_a_non_finite_gradient():
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=2.0, clipvalue=1.0, global_clipnorm=1.0
+    )
+    variables = _adam_model()
+    before = [v.numpy().copy() for v in variables]
+    optimizer.apply(_grads(np.random.default_rng(0), poison=np.inf), variables)
+    for old, variable in zip(before, variables):
+        np.testing.assert_array_equal(old, variable.numpy())
+    assert int(optimizer.skipped_steps) == 1
+
+
+def test_dynamic_false_keeps_the_scale_but_skips_and_counts():
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=128.0, dynamic=False, growth_interval=1
+    )
+    variables = _adam_model()
+    rng = np.random.default_rng(0)
+    for finite in [True, False, True, True, False]:
+        optimizer.apply(_grads(rng, poison=None if finite else np.nan), variables)
+        assert float(optimizer.loss_scale) == 128.0
+    assert int(optimizer.skipped_steps) == 2
+    assert int(optimizer.iterations) == 3
+
+
+def test_sparse_gradients_are_unscaled_checked_and_skipped():
+    kmp.set_policy("float32")
+    embedding = keras.layers.Embedding(10, 3)
+    embedding.build((None,))
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=8.0)
+    start = embedding.embeddings.numpy().copy()
+
+    @tf.function
+    def step(poison):
+        with tf.GradientTape() as tape:
+            out = embedding(tf.constant([1, 2]))
+            loss = tf.reduce_sum(out) * poison
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, embedding.trainable_variables)
+        assert isinstance(grads[0], tf.IndexedSlices)
+        optimizer.apply(grads, embedding.trainable_variables)
+
+    step(tf.constant(1.0))
+    expected = start.copy()
+    expected[[1, 2]] -= 1.0
+    np.testing.assert_allclose(embedding.embeddings.numpy(), expected, rtol=1e-6)
+    step(tf.constant(np.inf, tf.float32))
+    np.testing.assert_allclose(embedding.embeddings.numpy(), expected, rtol=1e-6)
+    assert int(optimizer.skipped_steps) == 1
+
+
+def test_properties_before_and_after_build_and_learning_rate_proxy():
+    inner = keras.optimizers.Adam(0.25)
+    optimizer = kmp.LossScaleOptimizer(inner, initial_scale=64.0)
+    assert float(optimizer.loss_scale) == 64.0
+    assert int(optimizer.skipped_steps) == 0
+    assert optimizer.inner_optimizer is inner
+    assert float(optimizer.learning_rate) == 0.25
+    optimizer.learning_rate = 0.5
+    assert float(inner.learning_rate) == 0.5
+    assert float(optimizer.scale_loss(ops.convert_to_tensor(3.0))) == 192.0
+    assert optimizer.iterations is inner.iterations
+    with pytest.raises(AttributeError):
+        optimizer.loss_scale = 1.0
+    with pytest.raises(AttributeError):
+        optimizer.skipped_steps = 1
+
+
+def test_scale_loss_of_float16_loss_does_not_overflow():
+    optimizer = kmp.LossScaleOptimizer("sgd", initial_scale=2.0**20)
+    scaled = optimizer.scale_loss(ops.convert_to_tensor(1000.0, "float16"))
+    assert np.isfinite(float(scaled)) and float(scaled) == 1000.0 * 2.0**20
+
+
+def test_string_inner_optimizer_is_resolved():
+    optimizer = kmp.LossScaleOptimizer("adam")
+    assert isinstance(optimizer.inner_optimizer, keras.optimizers.Adam)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"initial_scale": 0.0}, "initial_scale"),
+        ({"initial_scale": -2.0}, "initial_scale"),
+        ({"initial_scale": float("inf")}, "initial_scale"),
+        ({"initial_scale": float("nan")}, "initial_scale"),
+        ({"initial_scale": "big"}, "initial_scale"),
+        ({"min_scale": 0.0}, "min_scale"),
+        ({"max_scale": float("inf")}, "max_scale"),
+        ({"initial_scale": 0.5}, "min_scale <= initial_scale"),
+        ({"initial_scale": 2.0**30}, "initial_scale <= max_scale"),
+        ({"min_scale": 8.0, "max_scale": 4.0, "initial_scale": 6.0}, "min_scale"),
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"backoff_factor": 0.0}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"growth_interval": 2.5}, "growth_interval"),
+        ({"growth_interval": True}, "growth_interval"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"clipnorm": 0.0}, "clipnorm"),
+        ({"global_clipnorm": -1.0}, "global_clipnorm"),
+        ({"clipvalue": float("nan")}, "clipvalue"),
+        ({"clipnorm": 1.0, "global_clipnorm": 1.0}, "At most one"),
+        ({"dynamic": "yes"}, "dynamic"),
+    ],
+)
+def test_invalid_arguments_raise_value_error_naming_them(kwargs, argument):
+    inner = keras.optimizers.SGD()
+    inner.loss_scale_factor = 3.0
+    with pytest.raises(ValueError) as error:
+        kmp.LossScaleOptimizer(inner, **kwargs)
+    assert argument in str(error.value)
+    assert "Received" in str(error.value)
+    assert inner.loss_scale_factor == 3.0  # nothing changed by a call that raised
+
+
+def test_inner_optimizer_must_be_a_plain_keras_optimizer():
+    with pytest.raises(TypeError, match="inner_optimizer"):
+        kmp.LossScaleOptimizer(object())
+    with pytest.raises(ValueError, match="already a loss-scale optimizer"):
+        kmp.LossScaleOptimizer(kmp.LossScaleOptimizer("sgd"))
+    with pytest.raises(ValueError, match="already a loss-scale optimizer"):
+        kmp.LossScaleOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+    with pytest.raises(ValueError):
+        kmp.LossScaleOptimizer("not_an_optimizer")
+
+
+def test_config_round_trip_keeps_every_argument():
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.003),
+        initial_scale=512.0,
+        dynamic=False,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        growth_interval=17,
+        hysteresis=3,
+        min_scale=0.5,
+        max_scale=4096.0,
+        global_clipnorm=2.5,
+        clipvalue=0.7,
+        name="my_scaler",
+    )
+    config = optimizer.get_config()
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(optimizer)
+    )
+    assert type(restored) is kmp.LossScaleOptimizer
+    assert restored.get_config() == config
+    assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
+    assert float(restored.inner_optimizer.learning_rate) == pytest.approx(0.003)
+    assert config["name"] == "my_scaler" and config["clipnorm"] is None
+    other = kmp.LossScaleOptimizer("sgd", clipnorm=1.5)
+    assert kmp.LossScaleOptimizer.from_config(other.get_config()).clipnorm == 1.5
+
+
+def test_plain_keras_model_uses_it_without_wrapping_again():
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(4)(inputs)))
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**30,
+                                       max_scale=2.0**30)
+    model.compile(optimizer, "mse")
+    assert model.optimizer is optimizer
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+    # 2**30 overflows float16 gradients: Keras' fit went through our skip logic.
+    assert int(optimizer.skipped_steps) >= 1
+    assert int(optimizer.iterations) == 4 - int(optimizer.skipped_steps)
+    assert float(optimizer.loss_scale) == 2.0**30 * 0.5 ** int(optimizer.skipped_steps)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def _state_values(optimizer):
+    return [
+        float(optimizer.loss_scale),
+        int(optimizer._good_steps),
+        int(optimizer._hysteresis_left),
+        int(optimizer.skipped_steps),
+        int(optimizer.iterations),
+    ]
+
+
+def test_state_survives_keras_file_and_weights_round_trips(tmp_path):
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(
+        kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0**6,
+                               growth_interval=4, hysteresis=2),
+        "mse",
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 3)).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0)  # 4 finite steps: one growth
+    # One skip: hysteresis 2 absorbs it, so the scale stays.
+    variables = model.trainable_variables
+    model.optimizer.apply([tf.fill(v.shape, np.inf) for v in variables], variables)
+    model.fit(x[:2], y[:2], batch_size=2, epochs=1, verbose=0)
+    expected = _state_values(model.optimizer)
+    assert expected == [2.0**7, 1, 1, 1, 5]
+
+    path = tmp_path / "model.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert type(restored.optimizer) is kmp.LossScaleOptimizer
+    assert _state_values(restored.optimizer) == expected
+    for a, b in zip(model.optimizer.variables, restored.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    weights = tmp_path / "model.weights.h5"
+    model.save_weights(weights)
+    fresh = keras.models.clone_model(model)
+    fresh.compile(kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0**6,
+                                         growth_interval=4, hysteresis=2), "mse")
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.load_weights(weights)
+    assert _state_values(fresh.optimizer) == expected
+
+
+def test_distributed_step_is_decided_on_reduced_gradients_and_counted_once():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    x[20] = np.inf  # one sample of batch 2 (of 4): it lands on one replica only
+
+    def train(strategy_scope):
+        with strategy_scope:
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((4,))
+            model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+            model.compile(
+                kmp.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=4.0,
+                                       global_clipnorm=0.5),
+                "mse",
+            )
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    distributed = train(strategy.scope())
+    single = train(tf.distribute.OneDeviceStrategy("/cpu:0").scope())
+    for model in (distributed, single):
+        assert int(model.optimizer.skipped_steps) == 1
+        assert int(model.optimizer.iterations.numpy()) == 3
+        assert float(model.optimizer.loss_scale) == 2.0
+    # Clipping saw the all-reduced gradient: both runs took the same steps.
+    for a, b in zip(distributed.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,297 @@
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp.model import FunctionalModel
+
+
+def _data(n=64, features=6, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.integers(0, classes, size=n)
+    return x, y
+
+
+def _functional(features=6, classes=3):
+    inputs = keras.Input((features,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    hidden = keras.layers.BatchNormalization()(hidden)
+    outputs = keras.layers.Dense(classes, activation="softmax")(hidden)
+    return kmp.Model(inputs, outputs)
+
+
+class Subclassed(kmp.Model):
+    def __init__(self, classes=3, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.norm = keras.layers.LayerNormalization()
+        self.out = keras.layers.Dense(classes, activation="softmax")
+
+    def call(self, x, training=False):
+        return self.out(self.norm(self.hidden(x)))
+
+
+_BUILDERS = {"functional": _functional, "subclassed": Subclassed}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_fit_in_mixed_precision(policy, kind, jit_compile):
+    kmp.set_policy(policy)
+    model = _BUILDERS[kind]()
+    model.compile(
+        optimizer="adam",
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        jit_compile=jit_compile,
+    )
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    compute_dtype = "float16" if policy == "mixed_float16" else "bfloat16"
+    assert model.layers[-1].compute_dtype == compute_dtype
+    assert all(v.dtype == "float32" for v in model.weights)
+    assert np.all(np.isfinite(history.history["loss"]))
+    if policy == "mixed_float16":
+        assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+        # These tiny models may overflow at 2**15 in the first steps; each
+        # overflow halves the scale and costs one update, nothing more.
+        skipped = history.history["skipped_steps"]
+        assert skipped[0] <= skipped[1] <= 3
+        assert history.history["loss_scale"][-1] == 2.0**15 * 0.5 ** skipped[1]
+        assert int(model.optimizer.iterations) == 8 - skipped[1]
+    else:  # bfloat16 has float32's range: no scaling, no extra logs
+        assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert "loss_scale" not in history.history
+    predictions = model.predict(x[:4], verbose=0)
+    assert predictions.dtype == np.float32
+    np.testing.assert_allclose(predictions.sum(axis=1), 1.0, rtol=1e-2)
+
+
+def test_loss_scale_too_high_is_backed_off_and_every_skip_counted():
+    kmp.set_policy("mixed_float16")
+    model = _functional()
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05), initial_scale=2.0**24, growth_interval=10_000
+    )
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    x, y = _data(n=160)
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    skipped = int(optimizer.skipped_steps)
+    # float16 tops out at 65504: 2**24 times the loss overflows until the scale
+    # has backed off under ~2**16.
+    assert 4 <= skipped < 10
+    assert history.history["skipped_steps"] == [skipped]
+    assert float(optimizer.loss_scale) == 2.0**24 * 0.5**skipped
+    assert int(optimizer.iterations) == 10 - skipped
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def test_poisoned_batch_is_skipped_and_loses_nothing():
+    kmp.set_policy("mixed_float16")
+    x, y = _data(n=64)
+    x_poisoned = x.copy()
+    x_poisoned[35] = np.inf  # batch 3 of 4
+    results = []
+    for inputs in (x, x_poisoned):
+        keras.utils.set_random_seed(3)
+        model = Subclassed()
+        model.compile(
+            kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0**8),
+            "sparse_categorical_crossentropy",
+        )
+        model.fit(inputs[:32], y[:32], batch_size=16, epochs=1, shuffle=False, verbose=0)
+        before = [np.copy(v) for v in model.get_weights()]
+        slots = [np.copy(v) for v in model.optimizer.inner_optimizer.variables]
+        model.fit(inputs[32:48], y[32:48], batch_size=16, epochs=1, verbose=0)
+        results.append((model, before, slots))
+    model, before, slots = results[1]
+    assert int(model.optimizer.skipped_steps) == 1
+    assert int(model.optimizer.iterations) == 2
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+    for old, new in zip(slots, model.optimizer.inner_optimizer.variables):
+        np.testing.assert_array_equal(old, np.asarray(new))
+    assert int(results[0][0].optimizer.iterations) == 3
+
+
+def test_tf_data_steps_per_execution_sample_weights():
+    kmp.set_policy("mixed_float16")
+    x, y = _data(n=96)
+    weights = np.linspace(0.5, 1.5, 96).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(16)
+    model = _functional()
+    model.compile("adam", "sparse_categorical_crossentropy", steps_per_execution=3)
+    history = model.fit(dataset, epochs=2, verbose=0)
+    skipped = int(model.optimizer.skipped_steps)
+    assert history.history["skipped_steps"][-1] == skipped
+    assert int(model.optimizer.iterations) == 12 - skipped
+    assert history.history["loss_scale"][-1] == 2.0**15 * 0.5**skipped
+    loss = model.evaluate(dataset, verbose=0)
+    assert np.isfinite(loss)
+
+
+def test_multiple_inputs_and_outputs_are_float32():
+    kmp.set_policy("mixed_float16")
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    hidden = keras.layers.Dense(8)(keras.layers.Concatenate()([a, b]))
+    outputs = {
+        "value": keras.layers.Dense(1, name="value")(hidden),
+        "label": keras.layers.Dense(2, activation="softmax", name="label")(hidden),
+    }
+    model = kmp.Model({"a": a, "b": b}, outputs)
+    model.compile(
+        "adam", {"value": "mse", "label": "sparse_categorical_crossentropy"}
+    )
+    rng = np.random.default_rng(0)
+    inputs = {"a": rng.normal(size=(32, 4)).astype("float32"),
+              "b": rng.normal(size=(32, 3)).astype("float32")}
+    targets = {"value": rng.normal(size=(32, 1)).astype("float32"),
+               "label": rng.integers(0, 2, size=32)}
+    history = model.fit(inputs, targets, batch_size=8, epochs=1, verbose=0)
+    skipped = int(model.optimizer.skipped_steps)
+    assert history.history["skipped_steps"] == [skipped]
+    assert int(model.optimizer.iterations) == 4 - skipped
+    predictions = model(inputs)
+    assert {k: v.dtype for k, v in predictions.items()} == {
+        "value": tf.float32,
+        "label": tf.float32,
+    }
+
+
+def test_compile_loss_scale_choices():
+    kmp.set_policy("mixed_float16")
+    model = _functional()
+    model.compile("sgd", "mse")
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+    assert model.optimizer.dynamic
+    model.compile("sgd", "mse", loss_scale=None)
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    model.compile("sgd", "mse", auto_scale_loss=False)
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    model.compile("sgd", "mse", loss_scale=1024)
+    assert not model.optimizer.dynamic
+    assert float(model.optimizer.loss_scale) == 1024.0
+    given = kmp.LossScaleOptimizer("sgd", initial_scale=8.0)
+    model.compile(given, "mse", loss_scale=None)
+    assert model.optimizer is given
+    keras_scaler = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(), initial_scale=64.0, dynamic_growth_steps=7
+    )
+    model.compile(keras_scaler, "mse")
+    assert type(model.optimizer) is kmp.LossScaleOptimizer
+    assert model.optimizer.inner_optimizer is keras_scaler.inner_optimizer
+    assert (model.optimizer.initial_scale, model.optimizer.growth_interval) == (64.0, 7)
+
+    kmp.set_policy("mixed_bfloat16")
+    model = _functional()
+    model.compile("sgd", "mse")
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    model.compile("sgd", "mse", loss_scale="dynamic")
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+
+
+def test_auto_loss_scale_sees_float16_layers_in_a_float32_model():
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, dtype="mixed_float16")(inputs)
+    model = kmp.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+
+
+@pytest.mark.parametrize("bad", ["static", 0, -1.0, float("inf"), True, [2.0]])
+def test_compile_rejects_bad_loss_scale(bad):
+    model = _functional()
+    with pytest.raises(ValueError) as error:
+        model.compile("sgd", "mse", loss_scale=bad)
+    assert f"loss_scale={bad!r}" in str(error.value)
+    assert "'auto'" in str(error.value)
+    assert getattr(model, "optimizer", None) is None  # nothing changed
+
+
+def test_keras_file_round_trip_keeps_class_optimizer_and_loss_scale_choice(tmp_path):
+    kmp.set_policy("mixed_float16")
+    x, y = _data()
+    model = _functional()
+    model.compile(
+        kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0**9,
+                               growth_interval=2),
+        "sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert type(restored) is FunctionalModel and isinstance(restored, kmp.Model)
+    assert type(restored.optimizer) is kmp.LossScaleOptimizer
+    assert float(restored.optimizer.loss_scale) == float(model.optimizer.loss_scale) == 2.0**11
+    assert int(restored.optimizer.iterations) == 4
+    np.testing.assert_array_equal(model.predict(x, verbose=0), restored.predict(x, verbose=0))
+    history = restored.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert history.history["loss_scale"] == [2.0**13]
+
+    unscaled = _functional()
+    unscaled.compile("sgd", "mse", loss_scale=None)
+    unscaled.save(tmp_path / "unscaled.keras")
+    again = keras.models.load_model(tmp_path / "unscaled.keras")
+    assert not isinstance(again.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_export_serving_signature_is_float32_and_matches(tmp_path):
+    kmp.set_policy("mixed_float16")
+    x, y = _data()
+    model = _functional()
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.export(str(tmp_path / "serving"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "serving"))
+    signature = served.signatures["serving_default"]
+    (spec,) = signature.structured_input_signature[1].values()
+    assert spec.dtype == tf.float32
+    (output_spec,) = signature.structured_outputs.values()
+    assert output_spec.dtype == tf.float32
+    (served_output,) = signature(tf.constant(x)).values()
+    np.testing.assert_allclose(served_output.numpy(), model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_subclasses_stay_subclassed_after_functional_use():
+    kmp.set_policy("mixed_bfloat16")
+    bases_before = kmp.Model.__bases__
+    _functional()
+
+    class FunctionalSubclass(kmp.Model):
+        def __init__(self):
+            inputs = keras.Input((6,))
+            super().__init__(inputs, keras.layers.Dense(3)(inputs), name="fs")
+
+    functional_subclass = FunctionalSubclass()
+    assert isinstance(functional_subclass, FunctionalModel)
+    assert kmp.Model.__bases__ == bases_before == (keras.Model,)
+    model = Subclassed()
+    x, y = _data()
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, epochs=1, verbose=0)
+    assert [type(layer).__name__ for layer in model.layers] == [
+        "Dense",
+        "LayerNormalization",
+        "Dense",
+    ]
+    assert model.norm.compute_dtype == "float32"
+    assert functional_subclass(x).dtype == tf.float32
+
+
+def test_distributed_fit_with_mirrored_strategy():
+    kmp.set_policy("mixed_float16")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = _functional()
+        model.compile("adam", "sparse_categorical_crossentropy")
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    skipped = int(model.optimizer.skipped_steps)
+    assert history.history["skipped_steps"][-1] == skipped
+    assert history.history["loss_scale"][-1] == 2.0**15 * 0.5**skipped
+    assert int(model.optimizer.iterations.numpy()) == 8 - skipped

@@ -15,6 +15,8 @@ if _keras.backend.backend() != "tensorflow":
         "importing keras."
     )
 
+from kmp.checkpoint import BackupAndRestore
+from kmp.checkpoint import ModelCheckpoint
 from kmp.export import export
 from kmp.export import load_model
 from kmp.loss_scale import LossScaleOptimizer
@@ -27,8 +29,10 @@ from kmp.policy import set_policy
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackupAndRestore",
     "LossScaleOptimizer",
     "Model",
+    "ModelCheckpoint",
     "Policy",
     "export",
     "get_policy",

@@ -1,0 +1,321 @@
+"""Export in a chosen inference precision, and loading under another policy."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
+
+import kmp
+from kmp import policy as policy_module
+
+# float16 has a 10-bit mantissa: one rounding is 2**-11 relative, and a few
+# layers of them stay well inside this.
+FLOAT16_TOLERANCE = dict(rtol=1e-2, atol=2e-3)
+BFLOAT16_TOLERANCE = dict(rtol=5e-2, atol=2e-2)
+
+
+def _graph_dtypes(saved_model_dir):
+    """Every dtype named by a node attribute of the SavedModel's graph and
+    function library (the ops TF Serving and TFLite would run)."""
+    saved_model = saved_model_pb2.SavedModel()
+    with open(os.path.join(saved_model_dir, "saved_model.pb"), "rb") as f:
+        saved_model.ParseFromString(f.read())
+    dtypes = set()
+    for meta_graph in saved_model.meta_graphs:
+        nodes = list(meta_graph.graph_def.node)
+        for function in meta_graph.graph_def.library.function:
+            nodes.extend(function.node_def)
+        for node in nodes:
+            for value in node.attr.values():
+                if value.type:
+                    dtypes.add(tf.as_dtype(value.type).name)
+                dtypes.update(tf.as_dtype(t).name for t in value.list.type)
+    return dtypes
+
+
+def _tiny_model():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    hidden = keras.layers.LayerNormalization()(hidden)
+    outputs = keras.layers.Dense(3)(hidden)
+    outputs = keras.layers.Softmax()(outputs)
+    return kmp.Model(inputs, outputs)
+
+
+def _data(n=16):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 6)).astype("float32")
+
+
+def _float32_twin(model):
+    """The same architecture and weights, built under float32: the reference."""
+    with kmp.policy_scope("float32"):
+        twin = _tiny_model()
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+def test_float32_export_of_float16_model_matches_and_has_no_float16_op(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = _tiny_model()
+    x = _data()
+    training_predictions = model.predict(x, verbose=0)
+    policies_before = [layer.dtype_policy.name for layer in model.layers]
+
+    model.export(tmp_path / "f32", verbose=False, inference_policy="float32")
+    model.export(tmp_path / "f16", verbose=False)  # None: the training policy
+
+    served32 = tf.saved_model.load(str(tmp_path / "f32"))
+    served16 = tf.saved_model.load(str(tmp_path / "f16"))
+    outputs32 = served32.serve(x)
+    outputs16 = served16.serve(x)
+    assert outputs32.dtype == tf.float32 and outputs16.dtype == tf.float32
+    np.testing.assert_allclose(outputs32, training_predictions, **FLOAT16_TOLERANCE)
+    np.testing.assert_allclose(
+        outputs32, _float32_twin(model).predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_array_equal(outputs16, training_predictions)
+    assert "float16" not in _graph_dtypes(tmp_path / "f32")
+    # The check sees float16 when it is there.
+    assert "float16" in _graph_dtypes(tmp_path / "f16")
+    # Export leaves the model as it was.
+    assert [layer.dtype_policy.name for layer in model.layers] == policies_before
+    signature = served32.signatures["serving_default"]
+    assert [spec.dtype for spec in signature.structured_input_signature[1].values()] == [
+        tf.float32
+    ]
+
+
+def test_export_bfloat16_and_auto(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = _tiny_model()
+    x = _data()
+    reference = _float32_twin(model).predict(x, verbose=0)
+
+    kmp.export(model, tmp_path / "bf16", verbose=False, inference_policy="mixed_bfloat16")
+    served = tf.saved_model.load(str(tmp_path / "bf16"))
+    np.testing.assert_allclose(served.serve(x), reference, **BFLOAT16_TOLERANCE)
+    dtypes = _graph_dtypes(tmp_path / "bf16")
+    assert "bfloat16" in dtypes and "float16" not in dtypes
+
+    kmp.export(model, tmp_path / "auto", verbose=False, inference_policy="auto")
+    auto_compute = policy_module._resolve_auto().compute_dtype
+    dtypes = _graph_dtypes(tmp_path / "auto")
+    assert "float16" not in dtypes  # "auto" never picks float16 without a GPU
+    assert ("bfloat16" in dtypes) == (auto_compute == "bfloat16")
+
+
+def test_helper_exports_plain_keras_model_with_float32_outputs(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(2),
+        ]
+    )
+    x = _data()
+    assert model(x).dtype == "float16"  # what Keras alone would serve
+
+    kmp.export(model, tmp_path / "as_trained", verbose=False)
+    kmp.export(model, tmp_path / "f32", verbose=False, inference_policy="float32")
+    as_trained = tf.saved_model.load(str(tmp_path / "as_trained"))
+    served32 = tf.saved_model.load(str(tmp_path / "f32"))
+    assert as_trained.serve(x).dtype == tf.float32
+    assert served32.serve(x).dtype == tf.float32
+    assert "float16" not in _graph_dtypes(tmp_path / "f32")
+    np.testing.assert_allclose(
+        served32.serve(x), model.predict(x, verbose=0).astype("float32"),
+        **FLOAT16_TOLERANCE,
+    )
+
+
+def test_pinned_float32_layer_stays_float32(tmp_path):
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, name="body")(inputs)
+    outputs = keras.layers.Dense(2, dtype="float32", name="pinned_head")(hidden)
+    model = kmp.Model(inputs, outputs)
+
+    model.export(tmp_path / "bf16", verbose=False, inference_policy="mixed_bfloat16")
+    graph = saved_model_pb2.SavedModel()
+    with open(tmp_path / "bf16" / "saved_model.pb", "rb") as f:
+        graph.ParseFromString(f.read())
+    matmul_dtypes = {
+        # TF suffixes scope names with "_1", "_2", ... when it retraces.
+        node.name.split("/")[-2].rstrip("_0123456789"): tf.as_dtype(node.attr["T"].type).name
+        for function in graph.meta_graphs[0].graph_def.library.function
+        for node in function.node_def
+        if node.op == "MatMul"
+    }
+    assert matmul_dtypes == {"body": "bfloat16", "pinned_head": "float32"}
+
+
+def test_subclassed_model_export(tmp_path):
+    class TwoLayers(kmp.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(4, activation="relu")
+            self.head = keras.layers.Dense(2)
+
+        def call(self, inputs):
+            return self.head(self.hidden(inputs))
+
+    kmp.set_policy("mixed_float16")
+    model = TwoLayers()
+    x = _data()
+    predictions = model.predict(x, verbose=0)
+    model.export(tmp_path / "f32", verbose=False, inference_policy="float32")
+    served = tf.saved_model.load(str(tmp_path / "f32"))
+    np.testing.assert_allclose(served.serve(x), predictions, **FLOAT16_TOLERANCE)
+    assert "float16" not in _graph_dtypes(tmp_path / "f32")
+    assert model.hidden.compute_dtype == "float16"
+
+
+def test_unknown_inference_policy_names_it_and_lists_the_valid_ones(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = _tiny_model()
+    with pytest.raises(ValueError, match="inference_policy='float64'") as error:
+        model.export(tmp_path / "x", inference_policy="float64")
+    for name in ("'float32'", "'mixed_float16'", "'mixed_bfloat16'", "'auto'"):
+        assert name in str(error.value)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="policy='fp8'"):
+        kmp.load_model(tmp_path / "missing.keras", policy="fp8")
+
+
+_LOAD_WITHOUT_KMP = textwrap.dedent(
+    """
+    import sys
+    sys.modules["kmp"] = None  # `import kmp` raises ImportError
+    import numpy as np
+    import tensorflow as tf
+    try:
+        import kmp
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("kmp was importable")
+    served = tf.saved_model.load(sys.argv[1])
+    outputs = served.signatures["serving_default"](
+        tf.constant(np.load(sys.argv[2]))
+    )
+    np.save(sys.argv[3], next(iter(outputs.values())).numpy())
+    """
+)
+
+
+@pytest.mark.filterwarnings("ignore:.*tf.lite.Interpreter is deprecated")
+def test_saved_model_runs_without_kmp_and_converts_to_tflite(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = _tiny_model()
+    x = _data(4)
+    expected = model.predict(x, verbose=0)
+    export_dir = tmp_path / "serving"
+    model.export(export_dir, verbose=False, inference_policy="float32")
+
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "load.py").write_text(_LOAD_WITHOUT_KMP)
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "KERAS_BACKEND")
+    }
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "load.py",
+            str(export_dir),
+            "x.npy",
+            "y.npy",
+        ],
+        cwd=tmp_path,  # not the repository: kmp is not on sys.path
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), expected, **FLOAT16_TOLERANCE)
+
+    converter = tf.lite.TFLiteConverter.from_saved_model(str(export_dir))
+    interpreter = tf.lite.Interpreter(model_content=converter.convert())
+    input_detail = interpreter.get_input_details()[0]
+    interpreter.resize_tensor_input(input_detail["index"], x.shape)
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(input_detail["index"], x)
+    interpreter.invoke()
+    output_detail = interpreter.get_output_details()[0]
+    assert output_detail["dtype"] == np.float32
+    np.testing.assert_allclose(
+        interpreter.get_tensor(output_detail["index"]), expected, **FLOAT16_TOLERANCE
+    )
+
+
+def _trained_float16_model(path):
+    kmp.set_policy("mixed_float16")
+    model = _tiny_model()
+    # Non-default scaler settings, so the round trip cannot pass by defaults.
+    model.compile(
+        optimizer=kmp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), initial_scale=256.0, growth_interval=3
+        ),
+        loss="sparse_categorical_crossentropy",
+    )
+    x = _data(16)
+    y = np.arange(16) % 3
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    model.save(path)
+    return model, x, y
+
+
+def test_load_model_under_another_policy_keeps_weights_and_loss_scale(tmp_path):
+    model, x, y = _trained_float16_model(tmp_path / "f16.keras")
+    assert float(model.optimizer.loss_scale) == 256.0 * 2**2  # grew twice
+    kmp.set_policy("float32")
+
+    loaded = kmp.load_model(tmp_path / "f16.keras", policy="float32")
+    assert {layer.compute_dtype for layer in loaded.layers[1:]} == {"float32"}
+    for saved, restored in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+    for saved, restored in zip(model.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), **FLOAT16_TOLERANCE
+    )
+
+    # Back to float16 through a float32 save: the scaler state carries on.
+    loaded.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    loaded.save(tmp_path / "f32.keras")
+    again = kmp.load_model(tmp_path / "f32.keras", policy="mixed_float16")
+    assert again.layers[1].compute_dtype == "float16"
+    assert again.get_layer(index=2).compute_dtype == "float32"  # LayerNormalization
+    assert isinstance(again.optimizer, kmp.LossScaleOptimizer)
+    assert float(again.optimizer.loss_scale) == float(loaded.optimizer.loss_scale)
+    assert int(again.optimizer.iterations) == int(loaded.optimizer.iterations) == 12
+
+
+def test_load_float32_file_under_float16_adds_loss_scaling_keeps_slots(tmp_path):
+    model = _tiny_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x = _data(8)
+    model.fit(x, np.arange(8) % 3, batch_size=4, verbose=0)
+    model.save(tmp_path / "f32.keras")
+
+    loaded = kmp.load_model(tmp_path / "f32.keras", policy="mixed_float16")
+    assert loaded.layers[1].compute_dtype == "float16"
+    assert isinstance(loaded.optimizer, kmp.LossScaleOptimizer)
+    inner = loaded.optimizer.inner_optimizer
+    assert int(inner.iterations) == 2
+    for saved, restored in zip(model.optimizer.variables, inner.variables):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+    loaded.fit(x, np.arange(8) % 3, batch_size=4, verbose=0)
+    assert int(loaded.optimizer.iterations) == 4

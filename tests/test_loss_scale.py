@@ -488,3 +488,16 @@ def test_distributed_step_is_decided_on_reduced_gradients_and_counted_once():
     # Clipping saw the all-reduced gradient: both runs took the same steps.
     for a, b in zip(distributed.get_weights(), single.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_state_survives_a_tensorflow_checkpoint(tmp_path):
+    variables = _adam_model()
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=16.0)
+    rng = np.random.default_rng(0)
+    optimizer.apply(_grads(rng), variables)
+    optimizer.apply(_grads(rng, poison=np.inf), variables)
+    path = tf.train.Checkpoint(optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    restored = kmp.LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=16.0)
+    restored.build(variables)
+    tf.train.Checkpoint(optimizer=restored).restore(path).assert_existing_objects_matched()
+    assert _state_values(restored) == _state_values(optimizer) == [8.0, 0, 0, 1, 1]

@@ -116,7 +116,7 @@ def _load_weights_strictly(model, filepath):
         warnings.simplefilter("always")
         model.load_weights(filepath)
     for warning in caught:
-        message = str(warning.message)
+        message = str(warning.message).strip()
         if "Skipping variable loading" in message or "could not be loaded" in message:
             raise ValueError(
                 f"The backup {filepath!r} does not match the model: {message} "

@@ -2,7 +2,9 @@
 
 Keras' `BackupAndRestore` and `ModelCheckpoint` write their files in place.
 A process killed while saving (SIGKILL, OOM killer, preemption) leaves a
-truncated file under the good file's name. `BackupAndRestore` then resumes
+truncated file under the good file's name. Depending on how much HDF5 had
+flushed, the next run of Keras' `BackupAndRestore` either cannot open it (an
+`OSError`, with a fallback only under `double_checkpoint=True`) or resumes
 from it *silently*: the layer weights written before the kill load, the
 optimizer group is missing so Keras only warns and keeps a fresh optimizer
 (iterations, slots, loss scale and skip counters back to their initial
@@ -20,7 +22,8 @@ replaced after it. A kill between the two leaves the metadata pointing at
 the previous complete backup.
 
 ```
-save:    write weights -> <dir>/backup-<n>.partial.weights.h5, fsync
+save (when the epoch after the backed-up one begins):
+         write weights -> <dir>/.backup-<n>.partial-<pid>.weights.h5, fsync
          os.replace(partial, <dir>/backup-<n>.weights.h5)
          write {"epoch", "batch", "weights": "backup-<n>.weights.h5"}
              -> training_metadata.json (same way: partial, fsync, replace)
@@ -32,6 +35,7 @@ restore: read training_metadata.json -> load the file it names, strictly:
 
 import glob
 import json
+import numbers
 import os
 import re
 import warnings
@@ -128,6 +132,26 @@ def _load_weights_strictly(model, filepath):
         )
 
 
+_MONITOR_ATTRIBUTES = ("best", "wait", "best_epoch", "stopped_epoch", "cooldown_counter")
+
+
+def _monitor_state(monitor):
+    """The JSON-able counters of a monitoring callback (`None` stays `None`)."""
+    state = {}
+    for name in _MONITOR_ATTRIBUTES:
+        if not hasattr(monitor, name):
+            continue
+        value = getattr(monitor, name)
+        if value is None:
+            state[name] = None
+        elif isinstance(value, numbers.Integral):
+            state[name] = int(value)
+        else:
+            # numpy and tensor scalars; json writes inf as Infinity.
+            state[name] = float(value)
+    return state
+
+
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` whose backups survive a kill mid-save.
 
@@ -141,6 +165,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     order). Restoring is strict: a backup that does not hold every variable
     of the model and optimizer raises instead of resuming from a fresh
     optimizer.
+
+    An epoch's backup is written when the next epoch begins (or when
+    training ends, if the backup is kept), after every callback has handled
+    the epoch's end: a learning rate that `ReduceLROnPlateau` lowered, and
+    the counters of the callbacks passed as `monitors`, are part of it
+    wherever this callback sits in the list.
 
     With deterministic ops (`tf.config.experimental.enable_op_determinism`,
     `keras.utils.set_random_seed`) and `shuffle=False` or a seeded input
@@ -158,10 +188,17 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             Defaults to `False`.
         delete_checkpoint: Bool. Delete `backup_dir` when training ends.
             Defaults to `True`.
+        monitors: Optional list of callbacks that keep a monitor's state,
+            e.g. `EarlyStopping`, `ReduceLROnPlateau`,
+            `ModelCheckpoint(save_best_only=True)`. Their `best`, `wait`,
+            `best_epoch`, `stopped_epoch` and `cooldown_counter` are backed up
+            and restored, so patience does not start over after a crash
+            (`EarlyStopping`'s `best_weights` are not). Defaults to `None`.
 
     Raises:
+        TypeError: if `monitors` holds something that is not a callback.
         ValueError: as Keras' callback for invalid arguments; on restore,
-            if the backup does not match the model.
+            if the backup does not match the model or the monitors.
 
     Example:
 
@@ -170,6 +207,32 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     model.fit(x, y, epochs=10, callbacks=[backup])  # rerun after a crash
     ```
     """
+
+    def __init__(
+        self,
+        backup_dir,
+        save_freq="epoch",
+        double_checkpoint=False,
+        delete_checkpoint=True,
+        monitors=None,
+    ):
+        super().__init__(
+            backup_dir,
+            save_freq=save_freq,
+            double_checkpoint=double_checkpoint,
+            delete_checkpoint=delete_checkpoint,
+        )
+        monitors = list(monitors or [])
+        for monitor in monitors:
+            if not isinstance(monitor, keras.callbacks.Callback):
+                raise TypeError(
+                    "`monitors` must be a list of Keras callbacks (e.g. "
+                    "EarlyStopping). Received an element "
+                    f"{monitor!r} of type {type(monitor).__name__}"
+                )
+        self.monitors = monitors
+        self._pending_monitor_states = None
+        self._epoch_backup_pending = False
 
     def _backup_files(self):
         files = []
@@ -220,6 +283,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 errors.append(f"{weights_path}: {error}")
                 continue
             self.model._initial_epoch = candidate["epoch"]
+            self._pending_monitor_states = candidate.get("monitors")
             return
         raise ValueError(
             "No complete backup could be restored from "
@@ -230,6 +294,44 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # Keras' version falls back on OSError only; `_load_model` already
         # tries every complete backup and says why each one failed.
         self._load_model()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._current_epoch = epoch + 1
+        self._last_batch_seen = 0
+        # Written at the next epoch's start (or at the end of training), once
+        # every callback has handled this epoch's end: callbacks listed after
+        # this one (EarlyStopping, ReduceLROnPlateau changing the learning
+        # rate) are then part of the backup, whatever the order of the list.
+        self._epoch_backup_pending = self.save_freq == "epoch"
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._epoch_backup_pending:
+            self._epoch_backup_pending = False
+            self._save_model()
+        self._restore_monitors()
+
+    def on_train_end(self, logs=None):
+        if self._epoch_backup_pending and not self.delete_checkpoint:
+            self._epoch_backup_pending = False
+            self._save_model()
+        super().on_train_end(logs)
+
+    def _restore_monitors(self):
+        # Not in on_train_begin: each monitor resets its own state there,
+        # after this callback has run.
+        states, self._pending_monitor_states = self._pending_monitor_states, None
+        if states is None:
+            return
+        if len(states) != len(self.monitors):
+            raise ValueError(
+                f"The backup in {self.backup_dir!r} holds the state of "
+                f"{len(states)} monitors, but `monitors` has "
+                f"{len(self.monitors)}. Pass the same callbacks as the run "
+                "that wrote it."
+            )
+        for monitor, state in zip(self.monitors, states):
+            for name, value in state.items():
+                setattr(monitor, name, value)
 
     def _save_model(self):
         os.makedirs(self.backup_dir, exist_ok=True)
@@ -248,6 +350,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             "epoch": self._current_epoch,
             "batch": self._last_batch_seen,
             "weights": weights_name,
+            "monitors": [_monitor_state(monitor) for monitor in self.monitors],
         }
         previous = self._read_metadata() if self.double_checkpoint else None
         if previous and "weights" in previous:

@@ -365,3 +365,32 @@ def test_write_atomically_removes_the_partial_file_on_error(tmp_path):
         checkpoint_module.write_atomically(target, write)
     assert target.read_bytes() == b"good"
     assert os.listdir(tmp_path) == ["model.weights.h5"]
+
+
+def test_monitor_state_is_backed_up_and_restored(tmp_path):
+    x, y = _regression_data()
+
+    def run(epochs, backup_dir):
+        keras.utils.set_random_seed(3)
+        model = _bfloat16_model()
+        # mode="max" on a falling loss: the best stays at epoch 0 and `wait`
+        # counts up, which a restart without the monitor state would reset.
+        early_stopping = keras.callbacks.EarlyStopping(
+            monitor="loss", mode="max", patience=100
+        )
+        backup = kmp.BackupAndRestore(
+            str(backup_dir), delete_checkpoint=False, monitors=[early_stopping]
+        )
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[backup, early_stopping])
+        return early_stopping
+
+    uninterrupted = run(3, tmp_path / "uninterrupted")
+    run(2, tmp_path / "interrupted")  # "dies" after its second backup
+    resumed = run(3, tmp_path / "interrupted")
+    assert (uninterrupted.best_epoch, uninterrupted.wait) == (0, 2)
+    assert (resumed.best_epoch, resumed.wait) == (0, 2)
+    assert resumed.best == uninterrupted.best
+
+    with pytest.raises(TypeError, match="monitors"):
+        kmp.BackupAndRestore(str(tmp_path / "b"), monitors=["early_stopping"])

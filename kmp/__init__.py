@@ -15,6 +15,7 @@ if _keras.backend.backend() != "tensorflow":
         "importing keras."
     )
 
+from kmp import callbacks
 from kmp.checkpoint import BackupAndRestore
 from kmp.checkpoint import ModelCheckpoint
 from kmp.export import export
@@ -34,6 +35,7 @@ __all__ = [
     "Model",
     "ModelCheckpoint",
     "Policy",
+    "callbacks",
     "export",
     "get_policy",
     "load_model",

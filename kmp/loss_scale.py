@@ -406,6 +406,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._good_steps = state_variable("good_steps", "int64", 0)
         self._hysteresis_left = state_variable("hysteresis_left", "int64", self.hysteresis)
         self._skipped_steps = state_variable("skipped_steps", "int64", 0)
+        # Diagnostics for kmp.callbacks.LossScaleMonitor. They live on the
+        # device so that counting stays exact when one call to the train
+        # function runs several steps (steps_per_execution > 1).
+        self._consecutive_skips = state_variable("consecutive_skips", "int64", 0)
+        self._forward_overflows = state_variable("forward_overflows", "int64", 0)
+        self._consecutive_forward_overflows = state_variable(
+            "consecutive_forward_overflows", "int64", 0
+        )
+        self._nonfinite_gradients = self.add_variable(
+            shape=(len(var_list),),
+            dtype="int32",
+            initializer="zeros",
+            aggregation="only_first_replica",
+            name="nonfinite_gradients",
+        )
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -457,7 +472,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.apply(grads, trainable_variables)
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads, trainable_variables=None, *, loss=None):
         """Unscales, checks, clips and applies `grads`, or skips the step.
 
         Args:
@@ -465,6 +480,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 `scale_loss(loss)`.
             trainable_variables: List of variables, or `None` for the ones the
                 optimizer was built with.
+            loss: Optional tensor: the step's **unscaled** loss. Only used to
+                tell a skipped step's cause apart (see `_update_state`);
+                `kmp.Model` passes it. Defaults to `None`.
         """
         grads = list(grads)
         if trainable_variables is None:
@@ -487,26 +505,50 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             and not tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
             tf.distribute.get_replica_context().merge_call(
-                self._apply_cross_replica, args=(grads, trainable_variables)
+                self._apply_cross_replica, args=(grads, trainable_variables, loss)
             )
             return
-        grads, finite = self._unscale_check_clip(grads, trainable_variables)
+        grads, finite, nonfinite_gradients, loss_finite = self._unscale_check_clip(
+            grads, trainable_variables, loss
+        )
         ops.cond(
             finite,
             lambda: self.inner_optimizer.apply(grads, trainable_variables),
             lambda: None,
         )
-        self._update_state(finite)
+        self._update_state(finite, nonfinite_gradients, loss_finite)
 
-    def _unscale_check_clip(self, grads, trainable_variables):
-        """Per replica: reduce, unscale, check, clip. Returns (grads, finite)."""
+    def _unscale_check_clip(self, grads, trainable_variables, loss=None):
+        """Per replica: reduce, unscale, check, clip.
+
+        Returns `(grads, finite, nonfinite_gradients, loss_finite)`:
+        `nonfinite_gradients` is an int32 vector with a 1 for each of the
+        optimizer's variables whose gradient is not finite, `loss_finite`
+        whether `loss` is finite on every replica (`True` without a loss).
+        """
         num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        loss_nonfinite = None
+        if loss is not None:
+            loss_nonfinite = ops.cast(
+                ops.logical_not(ops.all(ops.isfinite(loss))), "float32"
+            )
         if num_replicas > 1:
             # Decide on the gradients the update will use (the sum over
             # replicas), so that every replica reaches the same decision.
-            grads = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, grads
+            # The loss flag rides along: one more collective of its own could
+            # be ordered differently on each replica.
+            extra = [] if loss_nonfinite is None else [loss_nonfinite]
+            reduced = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, list(grads) + extra
             )
+            grads = reduced[: len(grads)]
+            if extra:
+                loss_nonfinite = reduced[-1]
+        loss_finite = (
+            ops.convert_to_tensor(True)
+            if loss_nonfinite is None
+            else ops.equal(loss_nonfinite, 0.0)
+        )
         scale = self.loss_scale
         grads = [
             g
@@ -515,6 +557,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             for g, v in zip(grads, trainable_variables)
         ]
         finite = all_finite(grads)
+        # Which variables overflowed, for the monitor: one isfinite reduction
+        # per gradient, only on skipped steps, so finite steps keep
+        # `all_finite`'s fused check.
+        nonfinite_gradients = ops.cond(
+            finite,
+            lambda: ops.zeros((len(self._trainable_variables),), "int32"),
+            lambda: self._nonfinite_gradient_flags(grads, trainable_variables),
+        )
         grads = clip_gradients(
             grads,
             clipvalue=self.clipvalue,
@@ -524,17 +574,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if num_replicas > 1:
             # The inner optimizer sums over replicas again.
             grads = [_map_gradient(lambda t: t / num_replicas, g) for g in grads]
-        return grads, finite
+        return grads, finite, nonfinite_gradients, loss_finite
 
-    def _apply_cross_replica(self, distribution, grads, trainable_variables):
+    def _apply_cross_replica(self, distribution, grads, trainable_variables, loss=None):
         # A strategy that needs merge_call cannot run a cond whose branch calls
         # merge_call (the inner optimizer's apply does) in a replica context:
         # decide here, in the cross-replica context, as Keras does.
-        grads, finite_per_replica = distribution.extended.call_for_each_replica(
-            self._unscale_check_clip, args=(grads, trainable_variables)
+        grads, finite_per_replica, nonfinite_per_replica, loss_finite_per_replica = (
+            distribution.extended.call_for_each_replica(
+                self._unscale_check_clip, args=(grads, trainable_variables, loss)
+            )
         )
         # Every replica checked the same all-reduced gradients.
-        finite = distribution.experimental_local_results(finite_per_replica)[0]
+        finite, nonfinite_gradients, loss_finite = (
+            distribution.experimental_local_results(per_replica)[0]
+            for per_replica in (
+                finite_per_replica, nonfinite_per_replica, loss_finite_per_replica
+            )
+        )
 
         def apply_on_each_replica():
             distribution.extended.call_for_each_replica(
@@ -542,9 +599,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
 
         ops.cond(finite, apply_on_each_replica, lambda: None)
-        self._update_state(finite)
+        self._update_state(finite, nonfinite_gradients, loss_finite)
 
-    def _update_state(self, finite):
+    def _nonfinite_gradient_flags(self, grads, trainable_variables):
+        """Int32 vector: 1 at the index of each variable whose gradient is not finite.
+
+        Indexed like the variables the optimizer was built with, so the
+        monitor can name them; variables without a gradient count as finite.
+        """
+        flags = [ops.convert_to_tensor(0, "int32")] * len(self._trainable_variables)
+        for gradient, variable in zip(grads, trainable_variables):
+            if gradient is not None:
+                flags[self._get_variable_index(variable)] = ops.cast(
+                    ops.logical_not(ops.all(ops.isfinite(_values(gradient)))), "int32"
+                )
+        if not flags:
+            return ops.zeros((0,), "int32")
+        return ops.stack(flags)
+
+    def _update_state(self, finite, nonfinite_gradients=None, loss_finite=True):
         new_state = update_loss_scale(
             self._state(),
             finite,
@@ -558,6 +631,50 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         for variable, value in zip(self._state(), new_state):
             variable.assign(value)
+        skipped = ops.logical_not(ops.cast(finite, "bool"))
+        # A forward overflow: the unscaled loss itself was not finite (broken
+        # data or model; a lower scale cannot help). Any other skip is a
+        # backward overflow: the scale was too high for the gradients.
+        forward = ops.logical_and(skipped, ops.logical_not(loss_finite))
+        self._consecutive_skips.assign(
+            ops.where(skipped, self._consecutive_skips + 1, 0)
+        )
+        self._forward_overflows.assign_add(ops.cast(forward, "int64"))
+        self._consecutive_forward_overflows.assign(
+            ops.where(forward, self._consecutive_forward_overflows + 1, 0)
+        )
+        if nonfinite_gradients is not None:
+            # Kept from the latest backward overflow, so that with
+            # steps_per_execution > 1 the monitor still sees where it was
+            # (after a forward overflow every gradient is non-finite anyway).
+            self._nonfinite_gradients.assign(
+                ops.where(
+                    ops.logical_and(skipped, ops.logical_not(forward)),
+                    nonfinite_gradients,
+                    self._nonfinite_gradients,
+                )
+            )
+
+    def _monitor_state(self):
+        """The tensors `kmp.callbacks.LossScaleMonitor` reads after each step.
+
+        Returns:
+            `(counters, nonfinite_gradients)`: an int64 vector `[step,
+            skipped_steps, forward_overflows, consecutive_skips,
+            consecutive_forward_overflows]` (`step` counts applied and skipped
+            steps), and the int32 per-variable flags of the latest backward
+            overflow.
+        """
+        counters = ops.stack(
+            [
+                ops.cast(self.iterations, "int64") + self._skipped_steps.value,
+                self._skipped_steps.value,
+                self._forward_overflows.value,
+                self._consecutive_skips.value,
+                self._consecutive_forward_overflows.value,
+            ]
+        )
+        return counters, tf.identity(self._nonfinite_gradients.value)
 
     # -- serialization -------------------------------------------------------
 

@@ -17,6 +17,10 @@ from kmp import policy as policy_module
 
 _LOSS_SCALE_CHOICES = "'auto', 'dynamic', a positive number, or None"
 
+# Log keys that carry kmp.callbacks.LossScaleMonitor's per-step values out of
+# the train function; `make_train_function` removes them from the logs.
+_MONITOR_LOG_PREFIX = "_kmp_monitor_"
+
 
 def _to_float32(outputs):
     def cast(x):
@@ -251,13 +255,79 @@ class Model(keras.Model):
         trainable_weights = self.trainable_weights
         if trainable_weights:
             gradients = tape.gradient(scaled_loss, trainable_weights)
-            optimizer.apply_gradients(zip(gradients, trainable_weights))
+            # The loss lets the optimizer tell a forward overflow (the loss
+            # itself is not finite) from a backward one.
+            optimizer.apply(gradients, trainable_weights, loss=loss)
         else:
             warnings.warn("The model does not have any trainable weights.")
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs["loss_scale"] = optimizer.loss_scale
         logs["skipped_steps"] = optimizer.skipped_steps
+        if trainable_weights and self.distribute_strategy.num_replicas_in_sync == 1:
+            # For kmp.callbacks.LossScaleMonitor: returned with the step's
+            # outputs (no extra device round trip), then taken out of the logs
+            # by `make_train_function` before any callback sees them. Not
+            # with several replicas: Keras would all-reduce each of them, and
+            # collectives of different shapes can be ordered differently on
+            # each replica; the monitor reads the optimizer instead.
+            counters, nonfinite_gradients = optimizer._monitor_state()
+            logs[_MONITOR_LOG_PREFIX + "counters"] = counters
+            logs[_MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
+            logs[_MONITOR_LOG_PREFIX + "loss"] = (
+                keras_loss_module.unscale_loss_for_distribution(loss)
+            )
         return logs
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force=force)
+        keras_train_function = self.train_function
+
+        def train_function(iterator):
+            logs = keras_train_function(iterator)
+            # Keeps the monitor's values out of the progress bar, History,
+            # TensorBoard and CSVLogger, which show every key of the logs.
+            if isinstance(logs, dict):
+                self._kmp_monitor_logs = {
+                    key[len(_MONITOR_LOG_PREFIX):]: logs.pop(key)
+                    for key in list(logs)
+                    if key.startswith(_MONITOR_LOG_PREFIX)
+                }
+            return logs
+
+        self.train_function = train_function
+        return train_function
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        *args,
+        **kwargs,
+    ):
+        """Trains the model, as `keras.Model.fit`, with a readable progress bar.
+
+        Takes every argument of `keras.Model.fit`. When `verbose` is not 0 the
+        progress bar shows `loss_scale` as an integer or a power of two and
+        `skipped_steps` as an integer, and, unless a
+        `kmp.callbacks.LossScaleMonitor` is among `callbacks`, fit ends with
+        one line saying how many steps were skipped, if any.
+
+        Returns:
+            A `keras.callbacks.History`, as `keras.Model.fit`.
+        """
+        # Imported here: kmp.callbacks is optional for everything else.
+        from kmp import callbacks as kmp_callbacks
+
+        callbacks = kmp_callbacks._with_readable_progbar(callbacks, verbose)
+        return super().fit(
+            x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs
+        )
 
 
 @keras.saving.register_keras_serializable(package="kmp", name="FunctionalModel")

@@ -1,0 +1,642 @@
+"""Callbacks that make every skipped step visible: `LossScaleMonitor`.
+
+A skipped step is otherwise invisible: the scale halves, the update is
+dropped, and nothing is said unless the run diverges. `LossScaleMonitor`
+reports each epoch's skips, tells a forward overflow (the loss itself was not
+finite) from a backward one (the scale was too high for the gradients), names
+the variables whose gradients overflowed, writes a per-step CSV and a plot,
+and stops a run that has stopped making progress.
+"""
+
+import csv
+import math
+import numbers
+import os
+import warnings
+
+import keras
+import numpy as np
+from keras.src import tree
+from keras.src.utils import io_utils
+
+from kmp import loss_scale as loss_scale_module
+
+# How many overflowing variables a warning or CSV row names before "+N more".
+_NAMES_SHOWN = 3
+
+CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_variables")
+
+_REASON_FORWARD = "forward"
+_REASON_BACKWARD = "backward"
+
+
+def _format_scale(value):
+    """The loss scale as people read it: `32768`, `2^-3`, or `%g` otherwise."""
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        return f"{value:g}"
+    if value == int(value) and value < 2.0**53:
+        return str(int(value))
+    mantissa, exponent = math.frexp(value)
+    if mantissa == 0.5:
+        return f"2^{exponent - 1}"
+    return f"{value:g}"
+
+
+def _csv_number(value):
+    """A number for the CSV: integers without `.0`, floats as Python writes them."""
+    value = float(value)
+    if math.isfinite(value) and value == int(value) and abs(value) < 2.0**53:
+        return int(value)
+    return value
+
+
+class _Readable(float):
+    """A float that the progress bar prints as `text`.
+
+    `keras.utils.Progbar` divides each value by its count and formats it with
+    `.4f`/`.4e`; keeping the subclass through the division lets the loss scale
+    print as `32768` and the skip count as `0` while staying a number.
+    """
+
+    def __new__(cls, value, text):
+        number = super().__new__(cls, value)
+        number.text = text
+        return number
+
+    def __truediv__(self, other):
+        return _Readable(float(self) / other, self.text)
+
+    def __format__(self, spec):
+        return self.text
+
+
+def _readable_logs(logs):
+    """A copy of `logs` with `loss_scale` and `skipped_steps` in readable form."""
+    if not logs or ("loss_scale" not in logs and "skipped_steps" not in logs):
+        return logs
+    logs = dict(logs)
+    if isinstance(logs.get("loss_scale"), numbers.Real):
+        logs["loss_scale"] = _Readable(logs["loss_scale"], _format_scale(logs["loss_scale"]))
+    if isinstance(logs.get("skipped_steps"), numbers.Real):
+        logs["skipped_steps"] = _Readable(
+            logs["skipped_steps"], str(int(logs["skipped_steps"]))
+        )
+    return logs
+
+
+def _scaling_optimizer(model):
+    """The model's `kmp.LossScaleOptimizer`, or `None` when it does not scale."""
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
+        return optimizer
+    return None
+
+
+def _read_counters(optimizer):
+    """Host read of `[step, skipped, forward, consecutive, consecutive_forward]`."""
+    if not optimizer.built:
+        return np.zeros(5, dtype=np.int64)
+    counters, _ = optimizer._monitor_state()
+    return np.asarray(counters)
+
+
+class _ProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras' progress bar, with the loss scale and skip count readable.
+
+    `kmp.Model.fit` uses it in place of Keras' default one. Unless a
+    `LossScaleMonitor` reports skips already (`report_skips=False`), it
+    prints one line at the end of fit when any step of that fit was skipped.
+    """
+
+    # Like Keras' own progress bar, it may run in Keras' callback thread.
+    async_safe = True
+
+    def __init__(self, report_skips=True):
+        super().__init__()
+        self.report_skips = report_skips
+        self._counters_at_start = None
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        optimizer = _scaling_optimizer(self.model)
+        if self.report_skips and optimizer is not None:
+            self._counters_at_start = _read_counters(optimizer)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, _readable_logs(logs))
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, _readable_logs(logs))
+
+    def on_train_end(self, logs=None):
+        optimizer = _scaling_optimizer(self.model)
+        if not self.verbose or self._counters_at_start is None or optimizer is None:
+            return
+        steps, skipped = (_read_counters(optimizer) - self._counters_at_start)[:2]
+        if skipped > 0:
+            io_utils.print_msg(
+                f"kmp: {skipped} of {steps} training steps were skipped because "
+                "their gradients were not finite; the loss scale is now "
+                f"{_format_scale(optimizer.loss_scale)}. Add "
+                "kmp.callbacks.LossScaleMonitor() to the callbacks to see "
+                "which steps and why."
+            )
+
+
+def _with_readable_progbar(callbacks, verbose):
+    """The callbacks `kmp.Model.fit` passes on: kmp's progress bar added.
+
+    Left alone when fit is silent, when the caller built the
+    `CallbackList` or passed a progress bar of their own.
+    """
+    if verbose == 0 or isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    callbacks = list(tree.flatten(callbacks)) if callbacks else []
+    if any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
+        return callbacks
+    monitored = any(isinstance(c, LossScaleMonitor) for c in callbacks)
+    return callbacks + [_ProgbarLogger(report_skips=not monitored)]
+
+
+def _check_path(name, value):
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"`{name}` must be a file path (str or os.PathLike) or None. "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+
+
+def _plural(count, noun):
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Reports, explains and records every step that loss scaling skipped.
+
+    Add it to `fit` on a `kmp.Model` trained with loss scaling (a
+    `kmp.LossScaleOptimizer`). With any other optimizer there is nothing to
+    monitor and it does nothing.
+
+    After every step it reads values the train step already returns with
+    its logs (no extra device round trip), and:
+
+    ```
+    skipped = skipped_steps - skipped_steps_before        # this step / execution
+    forward = forward_overflows - forward_overflows_before  # loss not finite
+    backward = skipped - forward                          # gradients not finite
+    write a CSV row (step, loss, loss_scale, skipped, reason, variables)
+    if consecutive_skips >= max_consecutive_skips:
+        model.stop_training = True    # and say at which step, and why
+    at the end of each epoch:
+        print "epoch 3: 12 of 500 steps skipped (2.4%: 12 backward, 0 forward),
+               loss scale 32768 -> 65536 (min 16384, max 65536)"
+        if skipped / steps > warn_skip_rate: warn once, with likely causes
+        flush the CSV
+    at the end of training: write the plot
+    ```
+
+    A *forward* overflow is a step whose unscaled loss was already inf or NaN:
+    the data or the model is broken, and lowering the scale cannot help. A
+    *backward* overflow is a step whose loss was finite but whose gradients
+    were not: the scale was too high for them, which dynamic scaling handles
+    by backing off. For backward overflows the monitor names the first
+    variables (in the optimizer's order) whose gradients were not finite, found
+    on the device by one `isfinite` reduction per gradient, the same one the
+    optimizer's finite check uses.
+
+    With `steps_per_execution > 1` Keras calls callbacks once per execution.
+    The counts, the reasons and the stop step stay exact (they are counted on
+    the device), but the CSV and the plot then have one row per execution:
+    `step` is its last step, `loss` and `loss_scale` are that step's, and
+    `skipped` is how many of its steps were skipped. Training can only stop
+    at the end of an execution; the message names the step at which the
+    limit was reached.
+
+    Args:
+        max_consecutive_skips: Optional int >= 1. Stop training once this many
+            consecutive steps were skipped. Defaults to `None` (never stop).
+        warn_skip_rate: Optional float in [0, 1]. Warn (Python `warnings`,
+            once per epoch) when an epoch skipped a larger share of its steps.
+            `None` turns the warning off. Defaults to `0.05`.
+        csv_path: Optional path. Where to write one row per step: `step`
+            (counting applied and skipped steps over the optimizer's life),
+            `loss` (the step's loss, not the epoch average), `loss_scale` (after
+            the step), `skipped` (0/1), `reason` (`""`, `"forward"`,
+            `"backward"`), `nonfinite_variables`. The file is rewritten at the
+            start of each fit and flushed at the end of each epoch, so a run
+            that crashes keeps its completed epochs. Defaults to `None`.
+        plot_path: Optional path. Where to write, at the end of training, a
+            PNG with the loss scale on a log2 axis (skipped steps marked) and
+            the loss below it. Needs matplotlib (`pip install kmp[plot]`);
+            without it the monitor warns how to get it and carries on.
+            Defaults to `None`.
+        verbose: Int. 0 is silent (warnings still show); 1 prints one line
+            per epoch and the reason training was stopped. Defaults to `1`.
+
+    Attributes:
+        stopped_step: The step at which `max_consecutive_skips` was reached,
+            or `None`.
+        stop_message: Why training was stopped, or `None`.
+        epoch_summaries: List of dicts, one per epoch: `epoch`, `steps`,
+            `skipped`, `forward`, `backward`, `start_scale`, `end_scale`,
+            `min_scale`, `max_scale`, `nonfinite_variables`.
+
+    Raises:
+        ValueError: if `max_consecutive_skips`, `warn_skip_rate` or `verbose`
+            breaks its rule.
+        TypeError: if `csv_path` or `plot_path` is not a path.
+
+    Example:
+
+    ```python
+    kmp.set_policy("mixed_float16")
+    model = kmp.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    monitor = kmp.callbacks.LossScaleMonitor(
+        max_consecutive_skips=50, csv_path="steps.csv", plot_path="scale.png"
+    )
+    model.fit(x, y, epochs=5, callbacks=[monitor])
+    # epoch 1: 9 of 500 steps skipped (1.8%: 9 backward, 0 forward), loss
+    # scale 32768 -> 64 (min 64, max 32768)
+    ```
+    """
+
+    def __init__(
+        self,
+        max_consecutive_skips=None,
+        warn_skip_rate=0.05,
+        csv_path=None,
+        plot_path=None,
+        verbose=1,
+    ):
+        super().__init__()
+        if max_consecutive_skips is not None and (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, numbers.Integral)
+            or max_consecutive_skips < 1
+        ):
+            raise ValueError(
+                "`max_consecutive_skips` must be an integer >= 1 or None. "
+                f"Received: max_consecutive_skips={max_consecutive_skips!r}"
+            )
+        if warn_skip_rate is not None and (
+            isinstance(warn_skip_rate, bool)
+            or not isinstance(warn_skip_rate, numbers.Real)
+            or not 0 <= warn_skip_rate <= 1
+        ):
+            raise ValueError(
+                "`warn_skip_rate` must be a number in [0, 1] or None. "
+                f"Received: warn_skip_rate={warn_skip_rate!r}"
+            )
+        _check_path("csv_path", csv_path)
+        _check_path("plot_path", plot_path)
+        if (
+            isinstance(verbose, bool)
+            or not isinstance(verbose, numbers.Integral)
+            or verbose < 0
+        ):
+            raise ValueError(
+                f"`verbose` must be an integer >= 0. Received: verbose={verbose!r}"
+            )
+        self.max_consecutive_skips = (
+            None if max_consecutive_skips is None else int(max_consecutive_skips)
+        )
+        self.warn_skip_rate = None if warn_skip_rate is None else float(warn_skip_rate)
+        self.csv_path = None if csv_path is None else os.fspath(csv_path)
+        self.plot_path = None if plot_path is None else os.fspath(plot_path)
+        self.verbose = int(verbose)
+        self.stopped_step = None
+        self.stop_message = None
+        self.epoch_summaries = []
+        self._optimizer = None
+        self._csv_file = None
+        self._pending_lines = []
+        self._pending_warnings = []
+
+    def get_config(self):
+        return {
+            "max_consecutive_skips": self.max_consecutive_skips,
+            "warn_skip_rate": self.warn_skip_rate,
+            "csv_path": self.csv_path,
+            "plot_path": self.plot_path,
+            "verbose": self.verbose,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    # -- reading the step --------------------------------------------------
+
+    def _read_step(self, logs):
+        """Returns `(counters, nonfinite_gradients, loss, loss_scale)` for the
+        step just taken; `nonfinite_gradients` stays on the device until used.
+        """
+        monitor_logs = getattr(self.model, "_kmp_monitor_logs", None) or {}
+        if "counters" in monitor_logs:
+            counters = np.asarray(monitor_logs["counters"])
+            nonfinite_gradients = monitor_logs["nonfinite_gradients"]
+            loss = float(monitor_logs["loss"])
+        else:
+            # Not a kmp.Model, or a custom train_step: read the optimizer
+            # (one small host read per step) and use the epoch's mean loss.
+            counters, nonfinite_gradients = self._optimizer._monitor_state()
+            counters = np.asarray(counters)
+            loss = float(logs.get("loss", float("nan")))
+        if "loss_scale" in logs:
+            loss_scale = float(logs["loss_scale"])
+        else:
+            loss_scale = float(self._optimizer.loss_scale)
+        return counters, nonfinite_gradients, loss, loss_scale
+
+    def _variable_names(self, nonfinite_gradients):
+        if not self._names:
+            self._names = [
+                getattr(v, "path", v.name) for v in self._optimizer._trainable_variables
+            ]
+        flags = np.asarray(nonfinite_gradients)
+        return [self._names[i] for i in np.flatnonzero(flags) if i < len(self._names)]
+
+    # -- callback hooks ------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self._optimizer = _scaling_optimizer(self.model)
+        self.stopped_step = None
+        self.stop_message = None
+        self.epoch_summaries = []
+        self._pending_lines = []
+        self._pending_warnings = []
+        if self._optimizer is None:
+            if self.verbose:
+                io_utils.print_msg(
+                    "LossScaleMonitor: the optimizer does not scale the loss "
+                    f"(compute dtype {self.model.dtype_policy.compute_dtype}), "
+                    "so no step can be skipped; nothing to monitor."
+                )
+            return
+        # Filled in on the first skip: the optimizer may not be built yet.
+        self._names = []
+        counters = _read_counters(self._optimizer)
+        self._last = counters[:3].copy()  # step, skipped, forward
+        self._scale = float(self._optimizer.loss_scale)
+        self._history = {"step": [], "loss": [], "loss_scale": [],
+                         "scale_before": [], "reason": []}
+        if self.csv_path is not None:
+            directory = os.path.dirname(self.csv_path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            self._csv_file = open(self.csv_path, "w", newline="")
+            self._csv_writer = csv.writer(self._csv_file)
+            self._csv_writer.writerow(CSV_COLUMNS)
+            self._csv_file.flush()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._print_pending()
+        if self._optimizer is None:
+            return
+        self._epoch = {
+            "epoch": epoch + 1,
+            "steps": 0,
+            "skipped": 0,
+            "forward": 0,
+            "backward": 0,
+            "start_scale": self._scale,
+            "end_scale": self._scale,
+            "min_scale": self._scale,
+            "max_scale": self._scale,
+            "nonfinite_variables": [],
+        }
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._optimizer is None:
+            return
+        logs = logs or {}
+        counters, nonfinite_gradients, loss, loss_scale = self._read_step(logs)
+        step, skipped_total, forward_total, consecutive, consecutive_forward = (
+            int(c) for c in counters
+        )
+        steps, skipped, forward = (
+            np.array([step, skipped_total, forward_total]) - self._last
+        ).tolist()
+        self._last = np.array([step, skipped_total, forward_total])
+        if steps <= 0:
+            return
+        backward = skipped - forward
+        reason = "+".join(
+            r for r, n in ((_REASON_FORWARD, forward), (_REASON_BACKWARD, backward)) if n
+        )
+        names = self._variable_names(nonfinite_gradients) if backward else []
+
+        epoch = self._epoch
+        epoch["steps"] += steps
+        epoch["skipped"] += skipped
+        epoch["forward"] += forward
+        epoch["backward"] += backward
+        epoch["end_scale"] = loss_scale
+        epoch["min_scale"] = min(epoch["min_scale"], loss_scale)
+        epoch["max_scale"] = max(epoch["max_scale"], loss_scale)
+        for name in names:
+            if name not in epoch["nonfinite_variables"]:
+                epoch["nonfinite_variables"].append(name)
+
+        history = self._history
+        history["step"].append(step)
+        history["loss"].append(loss)
+        history["loss_scale"].append(loss_scale)
+        history["scale_before"].append(self._scale)
+        history["reason"].append(reason)
+        self._scale = loss_scale
+        if self._csv_file is not None:
+            self._csv_writer.writerow(
+                (step, loss, _csv_number(loss_scale), skipped, reason,
+                 _shorten_names(names, separator=";"))
+            )
+
+        limit = self.max_consecutive_skips
+        if limit is not None and self.stopped_step is None and consecutive >= limit:
+            self._stop(step, consecutive, consecutive_forward, names)
+
+    def _stop(self, step, consecutive, consecutive_forward, names):
+        limit = self.max_consecutive_skips
+        self.stopped_step = step - (consecutive - limit)
+        if consecutive_forward >= limit:
+            why = (
+                f"the loss itself was not finite at each of them (forward "
+                "overflow): the inputs or labels contain inf/NaN, or a layer "
+                "overflows in the forward pass. Lowering the loss scale cannot "
+                "help; check the data with np.isfinite and compute the "
+                "overflowing layer in float32"
+            )
+        else:
+            where = f" (first in {_shorten_names(names)})" if names else ""
+            why = (
+                "their gradients were not finite although the loss was "
+                f"{where}, and the loss scale is down to "
+                f"{_format_scale(self._scale)}: the weights are likely "
+                "diverging. Try a lower learning rate or gradient clipping "
+                "(global_clipnorm=1.0)"
+            )
+        after = (
+            f" Training stops after step {step}, the end of that execution "
+            "(steps_per_execution > 1)."
+            if step != self.stopped_step
+            else ""
+        )
+        self.stop_message = (
+            f"LossScaleMonitor: stopping training at step {self.stopped_step}: "
+            f"{limit} consecutive steps were skipped (max_consecutive_skips="
+            f"{limit}) and {why}.{after}"
+        )
+        self.model.stop_training = True
+        if self.verbose:
+            self._pending_lines.append(self.stop_message)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._optimizer is None:
+            return
+        if self._csv_file is not None:
+            self._csv_file.flush()
+        summary = dict(self._epoch)
+        self.epoch_summaries.append(summary)
+        steps, skipped = summary["steps"], summary["skipped"]
+        rate = skipped / steps if steps else 0.0
+        if self.verbose:
+            breakdown = (
+                f": {summary['backward']} backward, {summary['forward']} forward"
+                if skipped
+                else ""
+            )
+            self._pending_lines.append(
+                f"epoch {summary['epoch']}: {skipped} of {_plural(steps, 'step')} "
+                f"skipped ({rate:.1%}{breakdown}), loss scale "
+                f"{_format_scale(summary['start_scale'])} -> "
+                f"{_format_scale(summary['end_scale'])} "
+                f"(min {_format_scale(summary['min_scale'])}, "
+                f"max {_format_scale(summary['max_scale'])})"
+            )
+        if self.warn_skip_rate is not None and steps and rate > self.warn_skip_rate:
+            self._pending_warnings.append(
+                _skip_rate_warning(summary, rate, self.warn_skip_rate)
+            )
+
+    def on_train_end(self, logs=None):
+        if self._csv_file is not None:
+            self._csv_file.close()
+            self._csv_file = None
+        if self._optimizer is not None and self.plot_path is not None:
+            _write_plot(self.plot_path, self._history)
+        self._print_pending()
+
+    def _print_pending(self):
+        # Printed at the next epoch's start or at the end of training, once
+        # the progress bar (the last callback) has finished its line.
+        for line in self._pending_lines:
+            io_utils.print_msg(line)
+        for message in self._pending_warnings:
+            warnings.warn(message, stacklevel=3)
+        self._pending_lines = []
+        self._pending_warnings = []
+
+
+def _shorten_names(names, separator=", "):
+    shown = separator.join(names[:_NAMES_SHOWN])
+    if len(names) > _NAMES_SHOWN:
+        shown += f"{separator}+{len(names) - _NAMES_SHOWN} more"
+    return shown
+
+
+def _skip_rate_warning(summary, rate, warn_skip_rate):
+    parts = []
+    if summary["backward"]:
+        where = (
+            f"; first in {_shorten_names(summary['nonfinite_variables'])}"
+            if summary["nonfinite_variables"]
+            else ""
+        )
+        parts.append(
+            f"{_plural(summary['backward'], 'backward overflow')} (the loss "
+            f"was finite, its gradients were not{where})"
+        )
+    if summary["forward"]:
+        parts.append(
+            f"{_plural(summary['forward'], 'forward overflow')} (the loss "
+            "itself was inf or NaN)"
+        )
+    causes = []
+    if summary["forward"]:
+        causes.append(
+            "inputs or labels containing inf/NaN, or a layer overflowing "
+            "float16 in the forward pass (large activations, exp, sums of "
+            "squares): check the data with np.isfinite and give that layer "
+            'dtype="float32"'
+        )
+    if summary["backward"]:
+        causes.append(
+            "a learning rate too high, so the weights diverge: lower it or "
+            "clip the gradients (global_clipnorm=1.0); if the scale keeps "
+            "growing back into overflows, raise growth_interval"
+        )
+    causes.append("where the hardware supports it, mixed_bfloat16 needs no loss scaling")
+    return (
+        f"LossScaleMonitor: epoch {summary['epoch']} skipped "
+        f"{summary['skipped']} of {summary['steps']} steps ({rate:.1%}, above "
+        f"warn_skip_rate={warn_skip_rate:g}): {'; '.join(parts)}. Likely causes "
+        f"and what to try: {'; '.join(causes)}."
+    )
+
+
+def _write_plot(path, history):
+    """Writes the loss-scale and loss plot; warns instead when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        warnings.warn(
+            "LossScaleMonitor: plot_path was given but matplotlib is not "
+            "installed, so no plot was written. Install it with "
+            "`pip install kmp[plot]` (or `pip install matplotlib`). "
+            f"Received: plot_path={path!r}",
+            stacklevel=3,
+        )
+        return
+    steps = np.asarray(history["step"], dtype=np.float64)
+    losses = np.asarray(history["loss"], dtype=np.float64)
+    scales = np.asarray(history["loss_scale"], dtype=np.float64)
+    before = np.asarray(history["scale_before"], dtype=np.float64)
+    reasons = np.asarray(history["reason"], dtype=object)
+    skipped = reasons != ""
+    forward = np.array(["forward" in r for r in reasons], dtype=bool)
+
+    # Figure without pyplot: no global state, no GUI backend needed.
+    figure = Figure(figsize=(8, 6), dpi=100)
+    scale_axis, loss_axis = figure.subplots(2, 1, sharex=True)
+    scale_axis.step(steps, scales, where="post", color="tab:blue", label="loss scale")
+    scale_axis.set_yscale("log", base=2)
+    if np.any(skipped & ~forward):
+        scale_axis.scatter(steps[skipped & ~forward], before[skipped & ~forward],
+                           marker="v", color="tab:red", zorder=3,
+                           label="skipped: gradients not finite")
+    if np.any(forward):
+        scale_axis.scatter(steps[forward], before[forward], marker="x",
+                           color="black", zorder=3, label="skipped: loss not finite")
+    scale_axis.set_ylabel("loss scale (log2)")
+    scale_axis.set_title(
+        f"{int(skipped.sum())} of {len(steps)} "
+        f"{'steps' if len(steps) != 1 else 'step'} skipped"
+    )
+    scale_axis.legend(loc="best", fontsize="small")
+    scale_axis.grid(True, which="major", alpha=0.3)
+
+    finite = np.isfinite(losses)
+    loss_axis.plot(steps[finite], losses[finite], color="tab:green", linewidth=1)
+    for step in steps[forward]:
+        loss_axis.axvline(step, color="black", alpha=0.2, linewidth=1)
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("loss")
+    loss_axis.grid(True, alpha=0.3)
+    figure.tight_layout()
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    figure.savefig(path, format="png")

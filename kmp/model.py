@@ -289,11 +289,17 @@ class Model(keras.Model):
             # Keeps the monitor's values out of the progress bar, History,
             # TensorBoard and CSVLogger, which show every key of the logs.
             if isinstance(logs, dict):
-                self._kmp_monitor_logs = {
-                    key[len(_MONITOR_LOG_PREFIX):]: logs.pop(key)
-                    for key in list(logs)
-                    if key.startswith(_MONITOR_LOG_PREFIX)
-                }
+                # object.__setattr__: Keras would track the dict as part of
+                # the model (and take ~10 us a step doing so).
+                object.__setattr__(
+                    self,
+                    "_kmp_monitor_logs",
+                    {
+                        key[len(_MONITOR_LOG_PREFIX):]: logs.pop(key)
+                        for key in list(logs)
+                        if key.startswith(_MONITOR_LOG_PREFIX)
+                    },
+                )
             return logs
 
         self.train_function = train_function

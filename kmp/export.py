@@ -16,6 +16,8 @@ for each layer (the model itself included, input layers excluded):
 """
 
 import contextlib
+import os
+import zipfile
 
 import keras
 from keras.src.export.export_utils import get_input_signature
@@ -43,7 +45,7 @@ def _resolve_policy_name(argument, value):
     )
 
 
-def _inference_layer_policy(layer, model_compute_dtype, policy_name):
+def _inference_layer_policy(layer, model_is_16_bit, policy_name):
     """The dtype policy `layer` gets under `policy_name`, or `None` to keep its own."""
     current = layer.dtype_policy
     if isinstance(layer, keras.layers.InputLayer):
@@ -55,7 +57,7 @@ def _inference_layer_policy(layer, model_compute_dtype, policy_name):
         return None
     if isinstance(layer, policy_module.FLOAT32_LAYER_CLASSES):
         return "float32"
-    if current.compute_dtype == "float32" and model_compute_dtype != "float32":
+    if current.compute_dtype == "float32" and model_is_16_bit:
         # A float32 layer inside a 16-bit model was pinned there on purpose
         # (an output head, a loss-sensitive block): keep the user's choice.
         return None
@@ -72,16 +74,12 @@ def _set_compute_policy(model, policy_name):
     layers = list(model._flatten_layers(include_self=True, recursive=True))
     # Not `model.dtype_policy`: a loaded functional model takes the global
     # policy of the moment it was loaded, whatever its layers were saved with.
-    model_compute_dtype = (
-        "float16"
-        if any(
-            keras.backend.standardize_dtype(layer.compute_dtype) in _16_BIT_DTYPES
-            and not isinstance(
-                layer, (keras.layers.InputLayer,) + policy_module.FLOAT32_LAYER_CLASSES
-            )
-            for layer in layers[1:]
+    model_is_16_bit = any(
+        keras.backend.standardize_dtype(layer.compute_dtype) in _16_BIT_DTYPES
+        and not isinstance(
+            layer, (keras.layers.InputLayer,) + policy_module.FLOAT32_LAYER_CLASSES
         )
-        else "float32"
+        for layer in layers[1:]
     )
     changed = []
     for layer in layers:
@@ -89,9 +87,7 @@ def _set_compute_policy(model, policy_name):
             # The model's own policy only casts its inputs: always follow.
             new_policy = policy_name
         else:
-            new_policy = _inference_layer_policy(
-                layer, model_compute_dtype, policy_name
-            )
+            new_policy = _inference_layer_policy(layer, model_is_16_bit, policy_name)
         if new_policy is not None and new_policy != layer.dtype_policy.name:
             changed.append((layer, layer.dtype_policy))
             layer.dtype_policy = new_policy
@@ -251,7 +247,9 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
         The loaded model.
 
     Raises:
-        ValueError: if `policy` is not one of the names above.
+        ValueError: if `policy` is not one of the names above, or if
+            `filepath` exists but is not a complete `.keras` archive (a save
+            cut short; Keras would report "File not found").
 
     Example:
 
@@ -262,6 +260,7 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
     ```
     """
     policy_name = None if policy is None else _resolve_policy_name("policy", policy)
+    _check_complete_archive(filepath)
     if policy_name is None:
         return keras.saving.load_model(
             filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
@@ -278,6 +277,38 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
     if compile:
         _add_loss_scaling_if_needed(model)
     return model
+
+
+_ARCHIVE_ENTRIES = ("config.json", ("model.weights.h5", "model.weights.npz"))
+
+
+def _check_complete_archive(filepath):
+    """Raises a clear error for a `.keras` file whose save was cut short.
+
+    Keras reports a truncated archive as "File not found", and one whose
+    writer was interrupted by an exception (which still closes the zip) as
+    missing its weights.
+    """
+    path = os.fspath(filepath)
+    if not (path.endswith(".keras") and os.path.isfile(path)):
+        return
+    problem = None
+    if not zipfile.is_zipfile(path):
+        problem = "no valid zip directory"
+    else:
+        with zipfile.ZipFile(path) as archive:
+            names = set(archive.namelist())
+        config, weights = _ARCHIVE_ENTRIES
+        if config not in names or not names.intersection(weights):
+            problem = f"only the entries {sorted(names)}"
+    if problem:
+        raise ValueError(
+            "`filepath` is not a complete .keras archive: it has "
+            f"{os.path.getsize(path)} bytes but {problem}, as when a save is "
+            "cut short (a process killed or interrupted while writing it in "
+            "place; kmp.ModelCheckpoint writes atomically). Load an earlier "
+            f"checkpoint. Received: filepath={path!r}"
+        )
 
 
 def _add_loss_scaling_if_needed(model):

@@ -323,8 +323,11 @@ def test_checkpoint_interrupted_while_saving_keeps_the_previous_one(
     monkeypatch.undo()
 
     if callback_class is keras.callbacks.ModelCheckpoint:
-        # Keras writes in place: the good checkpoint is gone.
+        # Keras writes in place: the good checkpoint is gone, and loading
+        # says why instead of Keras' "File not found".
         assert path.read_bytes() != good
+        with pytest.raises(ValueError, match="not a complete .keras archive"):
+            kmp.load_model(path)
         return
     assert path.read_bytes() == good
     assert os.listdir(tmp_path) == ["latest.keras"]  # no partial file left
@@ -394,3 +397,17 @@ def test_monitor_state_is_backed_up_and_restored(tmp_path):
 
     with pytest.raises(TypeError, match="monitors"):
         kmp.BackupAndRestore(str(tmp_path / "b"), monitors=["early_stopping"])
+
+
+def test_loading_a_truncated_checkpoint_fails_with_a_clear_error(tmp_path):
+    model = _bfloat16_model()
+    x, y = _regression_data()
+    model.fit(x, y, batch_size=24, verbose=0)
+    model.save(tmp_path / "good.keras")
+    data = (tmp_path / "good.keras").read_bytes()
+    # What a SIGKILL during Keras' in-place write leaves behind.
+    (tmp_path / "cut.keras").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cut.keras.*") as error:
+        kmp.load_model(tmp_path / "cut.keras", policy="float32")
+    assert "not a complete .keras archive" in str(error.value)
+    assert kmp.load_model(tmp_path / "good.keras", policy="float32").built

@@ -206,6 +206,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
     on the device by one `isfinite` reduction per gradient, the same one the
     optimizer's finite check uses.
 
+    Cost: a few microseconds of Python per step, plus what any Keras
+    callback with a per-batch hook costs: `fit` waits for each step's (or
+    execution's) logs instead of dispatching callbacks in a background
+    thread. On an accelerator, `steps_per_execution > 1` amortizes that wait.
+    Under a `tf.distribute` strategy with several replicas the monitor reads
+    the optimizer's counters once per step instead (they stay exact), and the
+    CSV's `loss` is the epoch's running mean.
+
     With `steps_per_execution > 1` Keras calls callbacks once per execution.
     The counts, the reasons and the stop step stay exact (they are counted on
     the device), but the CSV and the plot then have one row per execution:
@@ -336,15 +344,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
         """
         monitor_logs = getattr(self.model, "_kmp_monitor_logs", None) or {}
         if "counters" in monitor_logs:
-            counters = np.asarray(monitor_logs["counters"])
+            counters = monitor_logs["counters"]
             nonfinite_gradients = monitor_logs["nonfinite_gradients"]
             loss = float(monitor_logs["loss"])
         else:
-            # Not a kmp.Model, or a custom train_step: read the optimizer
-            # (one small host read per step) and use the epoch's mean loss.
+            # Not a kmp.Model, several replicas, or a custom train_step: read
+            # the optimizer (one small host read per step) and use the
+            # epoch's mean loss.
             counters, nonfinite_gradients = self._optimizer._monitor_state()
-            counters = np.asarray(counters)
             loss = float(logs.get("loss", float("nan")))
+        counters = np.asarray(counters).tolist()  # Python ints: cheap below
         if "loss_scale" in logs:
             loss_scale = float(logs["loss_scale"])
         else:
@@ -378,8 +387,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             return
         # Filled in on the first skip: the optimizer may not be built yet.
         self._names = []
-        counters = _read_counters(self._optimizer)
-        self._last = counters[:3].copy()  # step, skipped, forward
+        self._last = tuple(_read_counters(self._optimizer)[:3].tolist())  # step, skipped, forward
         self._scale = float(self._optimizer.loss_scale)
         self._history = {"step": [], "loss": [], "loss_scale": [],
                          "scale_before": [], "reason": []}
@@ -414,20 +422,22 @@ class LossScaleMonitor(keras.callbacks.Callback):
             return
         logs = logs or {}
         counters, nonfinite_gradients, loss, loss_scale = self._read_step(logs)
-        step, skipped_total, forward_total, consecutive, consecutive_forward = (
-            int(c) for c in counters
-        )
-        steps, skipped, forward = (
-            np.array([step, skipped_total, forward_total]) - self._last
-        ).tolist()
-        self._last = np.array([step, skipped_total, forward_total])
+        step, skipped_total, forward_total, consecutive, consecutive_forward = counters
+        last_step, last_skipped, last_forward = self._last
+        self._last = (step, skipped_total, forward_total)
+        steps = step - last_step
+        skipped = skipped_total - last_skipped
+        forward = forward_total - last_forward
         if steps <= 0:
             return
         backward = skipped - forward
-        reason = "+".join(
-            r for r, n in ((_REASON_FORWARD, forward), (_REASON_BACKWARD, backward)) if n
-        )
-        names = self._variable_names(nonfinite_gradients) if backward else []
+        reason, names = "", []
+        if skipped:
+            reason = "+".join(
+                r for r, n in ((_REASON_FORWARD, forward), (_REASON_BACKWARD, backward)) if n
+            )
+            if backward:
+                names = self._variable_names(nonfinite_gradients)
 
         epoch = self._epoch
         epoch["steps"] += steps

@@ -411,3 +411,26 @@ def test_loading_a_truncated_checkpoint_fails_with_a_clear_error(tmp_path):
         kmp.load_model(tmp_path / "cut.keras", policy="float32")
     assert "not a complete .keras archive" in str(error.value)
     assert kmp.load_model(tmp_path / "good.keras", policy="float32").built
+
+
+def test_double_checkpoint_falls_back_to_the_previous_backup(tmp_path):
+    x, y = _regression_data()
+    backup_dir = tmp_path / "backup"
+    model = _bfloat16_model()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+        kmp.BackupAndRestore(str(backup_dir), double_checkpoint=True,
+                             delete_checkpoint=False)])
+    metadata = json.loads((backup_dir / "training_metadata.json").read_text())
+    assert metadata["epoch"] == 2 and metadata["previous"]["epoch"] == 1
+    # A disk error in the latest backup.
+    (backup_dir / metadata["weights"]).write_bytes(b"\0" * 64)
+
+    resumed = _bfloat16_model()
+    probe = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs: probe.seen.append(int(resumed.optimizer.iterations))
+    )
+    probe.seen = []
+    resumed.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+        kmp.BackupAndRestore(str(backup_dir), double_checkpoint=True), probe])
+    assert probe.seen == [3]  # the epoch-1 backup: 3 steps
+    assert int(resumed.optimizer.iterations) == 6

@@ -151,7 +151,11 @@ class Model(keras.Model):
 
     def __call__(self, *args, **kwargs):
         policy_module._keep_float32_layers(self)
-        return _to_float32(super().__call__(*args, **kwargs))
+        outputs = super().__call__(*args, **kwargs)
+        # Some layers create sublayers in their first call (attention's
+        # Softmax): every later call, and fit()'s trace, sees them in float32.
+        policy_module._keep_float32_layers(self)
+        return _to_float32(outputs)
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", **kwargs):
         """Configures the model for training, with loss scaling.

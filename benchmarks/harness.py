@@ -1,0 +1,288 @@
+"""Builds each configuration, times it, measures its memory and counts ops.
+
+Timing calls the model's own `train_function` (the compiled step `fit` runs)
+on one in-memory batch repeated by `tf.data`, so neither an input pipeline
+nor callbacks are measured. Every configuration of a workload is built and
+warmed up first; then the timed repeats are interleaved (A B C ... A B C ...)
+so that drift in machine speed hits every configuration alike.
+"""
+
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kmp
+from benchmarks import workloads as workloads_module
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One way of training a workload.
+
+    Attributes:
+        name: Row label, e.g. `"kmp mixed_float16"`.
+        api: `"keras"` (plain `keras.Model`, Keras' own loss scaling) or
+            `"kmp"` (`kmp.Model`).
+        policy: Policy name given to Keras or to `kmp.set_policy`.
+        loss_scale: For kmp: the `compile(loss_scale=...)` argument.
+        jit_compile: Bool. Passed to `compile`.
+    """
+
+    name: str
+    api: str
+    policy: str
+    loss_scale: object = "auto"
+    jit_compile: bool = False
+
+    @property
+    def label(self):
+        return f"{self.name} | jit={'on' if self.jit_compile else 'off'}"
+
+
+NO_SCALE = "kmp mixed_float16 loss_scale=None"
+
+_BASE_CONFIGS = (
+    Config("float32", "keras", "float32"),
+    Config("keras mixed_float16", "keras", "mixed_float16"),
+    Config("keras mixed_bfloat16", "keras", "mixed_bfloat16"),
+    Config("kmp mixed_float16", "kmp", "mixed_float16"),
+    Config(NO_SCALE, "kmp", "mixed_float16", loss_scale=None),
+    Config("kmp mixed_bfloat16", "kmp", "mixed_bfloat16"),
+    Config("kmp auto", "kmp", "auto"),
+)
+
+CONFIGS = tuple(
+    dataclasses.replace(config, jit_compile=jit)
+    for jit in (False, True)
+    for config in _BASE_CONFIGS
+)
+CONFIG_NAMES = tuple(config.name for config in _BASE_CONFIGS)
+
+
+def find_config(name, jit_compile):
+    for config in CONFIGS:
+        if config.name == name and config.jit_compile == jit_compile:
+            return config
+    raise ValueError(
+        f"Unknown configuration. `name` must be one of {', '.join(CONFIG_NAMES)}. "
+        f"Received: name={name!r}"
+    )
+
+
+def build_model(workload, config):
+    """Builds and compiles `workload` under `config`; returns (model, resolved policy)."""
+    if config.api == "keras":
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(config.policy)
+        try:
+            model = workload.build(keras.Model, workload.sizes)
+        finally:
+            keras.config.set_dtype_policy(previous)
+        resolved = config.policy
+        compile_kwargs = {}
+    else:
+        with kmp.policy_scope(config.policy) as policy:
+            model = workload.build(kmp.Model, workload.sizes)
+        resolved = policy.name
+        compile_kwargs = {"loss_scale": config.loss_scale}
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=config.jit_compile,
+        **compile_kwargs,
+    )
+    return model, resolved
+
+
+class _Runner:
+    """Runs training steps of one compiled model on one repeated batch."""
+
+    def __init__(self, model, x, y):
+        self.model = model
+        dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+        self.iterator = iter(dataset)
+        model.make_train_function()
+
+    def run(self, steps):
+        logs = None
+        for _ in range(steps):
+            logs = self.model.train_function(self.iterator)
+        # Reading a value waits for the last step to finish.
+        return float(logs["loss"])
+
+
+def _peak_rss_mb():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps, log=print):
+    """Times every configuration of `workload`, interleaved.
+
+    Returns:
+        Dict `label -> {"samples_per_s": median, "repeats": [...], "steps": n,
+        "policy": resolved policy, "optimizer": class name}`.
+    """
+    rng = np.random.default_rng(0)
+    x, y = workload.data(workload.sizes, rng)
+    batch = len(y)
+    runners, info = {}, {}
+    for config in configs:
+        start = time.perf_counter()
+        model, resolved = build_model(workload, config)
+        runner = _Runner(model, x, y)
+        runner.run(warmup_steps)
+        # A few more timed steps tell how many make a chunk of `chunk_seconds`
+        # (the fastest, as other processes can only slow a step down).
+        step_time = float("inf")
+        for _ in range(3):
+            step_start = time.perf_counter()
+            runner.run(1)
+            step_time = min(step_time, time.perf_counter() - step_start)
+        steps = max(1, round(chunk_seconds / step_time))
+        runners[config.label] = (runner, steps)
+        info[config.label] = {
+            "config": config.name,
+            "jit_compile": config.jit_compile,
+            "policy": resolved,
+            "optimizer": type(model.optimizer).__name__,
+            "model_class": type(model).__name__,
+            "steps": steps,
+            "repeats": [],
+        }
+        log(
+            f"  built {config.label:45s} policy={resolved:15s} "
+            f"optimizer={type(model.optimizer).__name__:20s} "
+            f"{time.perf_counter() - start:5.1f}s, {step_time * 1e3:7.1f} ms/step"
+        )
+    # Python's garbage collector would pause whichever configuration happens
+    # to be running; collecting once and pausing it spares all of them.
+    gc.collect()
+    gc.disable()
+    try:
+        # Round 0 is one more warm-up, interleaved like the timed rounds: the
+        # first chunk after building the others runs measurably slower.
+        for repeat in range(repeats + 1):
+            for label, (runner, steps) in runners.items():
+                start = time.perf_counter()
+                runner.run(steps)
+                elapsed = time.perf_counter() - start
+                if repeat:
+                    info[label]["repeats"].append(steps * batch / elapsed)
+            if repeat:
+                log(f"  repeat {repeat}/{repeats} done")
+    finally:
+        gc.enable()
+    for label, entry in info.items():
+        entry["samples_per_s"] = statistics.median(entry["repeats"])
+    return info
+
+
+# -- memory: one child process per configuration ------------------------------
+
+
+def memory_child(workload_name, mode, config_name, jit_compile, steps):
+    """Entry point of the child: prints JSON with its peak resident memory."""
+    workload = workloads_module.get_workload(workload_name, mode)
+    config = find_config(config_name, jit_compile)
+    x, y = workload.data(workload.sizes, np.random.default_rng(0))
+    baseline = _peak_rss_mb()
+    model, _ = build_model(workload, config)
+    _Runner(model, x, y).run(steps)
+    print(json.dumps({"baseline_mb": baseline, "peak_mb": _peak_rss_mb()}))
+
+
+def measure_memory(workload, mode, config, *, steps):
+    """Peak RSS of a fresh process that builds and trains one configuration.
+
+    Returns:
+        Dict with `peak_mb` (VmHWM of the child, which includes TensorFlow
+        itself) and `baseline_mb` (VmHWM after importing TensorFlow, Keras and
+        kmp and making the data, before the model was built), or `None` if the
+        child failed.
+    """
+    command = [
+        sys.executable, "-m", "benchmarks.run", "--memory-child",
+        workload.name, mode, config.name, "1" if config.jit_compile else "0", str(steps),
+    ]
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=root, env=environment
+    )
+    if result.returncode != 0:
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# -- op counts ------------------------------------------------------------------
+
+
+def graph_op_types(concrete_function):
+    """Counter of op types in a traced function, its nested functions included."""
+    graph_def = concrete_function.graph.as_graph_def()
+    types = Counter(node.op for node in graph_def.node)
+    for function in graph_def.library.function:
+        types.update(node.op for node in function.node_def)
+    return types
+
+
+def count_train_step_ops(model, x, y):
+    """Op types of `model.train_step` traced on one batch (as `fit` traces it)."""
+    spec = (
+        tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)),
+        tf.TensorSpec(y.shape, tf.as_dtype(y.dtype)),
+    )
+    # autograph=False, as Keras traces its own train step.
+    concrete = tf.function(model.train_step, autograph=False).get_concrete_function(spec)
+    return graph_op_types(concrete)
+
+
+def count_apply_ops(optimizer, variables):
+    """Op types of `optimizer.apply(grads, variables)` traced alone."""
+    optimizer.build(variables)
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+    concrete = tf.function(
+        lambda grads: optimizer.apply(grads, variables), autograph=False
+    ).get_concrete_function(specs)
+    return graph_op_types(concrete)
+
+
+def op_counts(workload):
+    """Counts the ops kmp and Keras add for loss scaling on `workload`.
+
+    Returns:
+        Dict with, for `"keras"` and `"kmp"` (both mixed_float16, jit off):
+        the op types of the whole train step and of the optimizer's `apply`
+        alone, plus the op types of plain Adam's `apply` on the same variables
+        (so `apply - adam` is what loss scaling costs in ops).
+    """
+    x, y = workload.data(workload.sizes, np.random.default_rng(0))
+    result = {}
+    for api in ("keras", "kmp"):
+        config = find_config(f"{api} mixed_float16", False)
+        model, _ = build_model(workload, config)
+        train_step = count_train_step_ops(model, x, y)
+        variables = model.trainable_variables
+        if api == "keras":
+            optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+        else:
+            optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+        apply_ops = count_apply_ops(optimizer, variables)
+        result[api] = {"train_step": train_step, "apply": apply_ops}
+        result["variables"] = len(variables)
+    result["adam_apply"] = count_apply_ops(keras.optimizers.Adam(1e-3), variables)
+    return result

@@ -1,0 +1,273 @@
+"""Turns benchmark results into a Markdown report and a PNG chart."""
+
+import datetime
+import os
+import platform
+
+import keras
+import tensorflow as tf
+
+from benchmarks import harness
+
+_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "f16c")
+
+
+def describe_machine():
+    """Returns a dict describing this machine and the software versions."""
+    model_name, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model_name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass  # Not Linux: the CPU model and flags stay unknown.
+    memory_gib = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            memory_gib = int(meminfo.readline().split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    gpus = tf.config.list_physical_devices("GPU")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": model_name,
+        "cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "flags": {flag: flag in flags for flag in _FLAGS_OF_INTEREST},
+        "gpus": len(gpus),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "load_average_start": _load_average(),
+    }
+
+
+def _load_average():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def machine_line(machine):
+    flags = ", ".join(
+        f"{flag} {'yes' if present else 'no'}" for flag, present in machine["flags"].items()
+    )
+    memory = f", {machine['memory_gib']:.0f} GiB" if machine["memory_gib"] else ""
+    return (
+        f"{machine['date']}; {machine['cpu']}, {machine['cores']} cores{memory}, "
+        f"{machine['gpus']} GPUs; CPU flags: {flags}; Python {machine['python']}, "
+        f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}; 1-minute load "
+        f"average {machine['load_average_start']} at the start, "
+        f"{machine.get('load_average_end', 'n/a')} at the end (other processes on the "
+        "machine slow every configuration alike, since repeats are interleaved)"
+    )
+
+
+def _counterpart(name, policy):
+    """The Keras configuration a kmp configuration is compared with."""
+    if not name.startswith("kmp") or name == harness.NO_SCALE:
+        return None
+    return f"keras {policy}" if policy != "float32" else "float32"
+
+
+def ratios(results):
+    """Adds `vs_keras` and `vs_float32` to every row of `results` (in place).
+
+    Rows are `results[workload][label]`; the ratios compare samples/s with the
+    same `jit_compile`.
+    """
+    for rows in results.values():
+        for entry in rows.values():
+            jit = "on" if entry["jit_compile"] else "off"
+            base = rows[f"float32 | jit={jit}"]["samples_per_s"]
+            entry["vs_float32"] = entry["samples_per_s"] / base
+            counterpart = _counterpart(entry["config"], entry["policy"])
+            entry["vs_keras"] = (
+                entry["samples_per_s"] / rows[f"{counterpart} | jit={jit}"]["samples_per_s"]
+                if counterpart
+                else None
+            )
+
+
+def loss_scale_overhead(rows, jit):
+    """Step-time overhead of loss scaling: kmp mixed_float16 vs loss_scale=None."""
+    jit = "on" if jit else "off"
+    scaled = rows[f"kmp mixed_float16 | jit={jit}"]["samples_per_s"]
+    unscaled = rows[f"{harness.NO_SCALE} | jit={jit}"]["samples_per_s"]
+    return unscaled / scaled - 1.0
+
+
+def _fmt_ratio(value):
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _fmt_memory(memory):
+    if not memory:
+        return "not measured"
+    return f"{memory['peak_mb']:.0f} (+{memory['peak_mb'] - memory['baseline_mb']:.0f})"
+
+
+def results_table(results, workloads):
+    lines = [
+        "| workload | configuration | jit | policy | samples/s | vs Keras same policy | vs float32 | peak RSS MB (+ over import) |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for workload in workloads:
+        for entry in results[workload.name].values():
+            lines.append(
+                f"| {workload.name} | {entry['config']} | "
+                f"{'on' if entry['jit_compile'] else 'off'} | {entry['policy']} | "
+                f"{entry['samples_per_s']:,.0f} | {_fmt_ratio(entry['vs_keras'])} | "
+                f"{_fmt_ratio(entry['vs_float32'])} | {_fmt_memory(entry.get('memory'))} |"
+            )
+    return "\n".join(lines)
+
+
+def _check(met):
+    return "met" if met else "**missed**"
+
+
+def targets(results):
+    """Returns a list of (target, measured, met) for the issue's targets."""
+    checks = []
+    for name, rows in results.items():
+        for jit in (False, True):
+            j = "on" if jit else "off"
+            vs_keras = [
+                (entry["config"], entry["vs_keras"])
+                for entry in rows.values()
+                if entry["vs_keras"] is not None and entry["jit_compile"] == jit
+            ]
+            goal = 1.10 if name == "many_variables" else 1.00
+            worst = min(vs_keras, key=lambda item: item[1])
+            checks.append((
+                f"{name}, jit {j}: every kmp config >= {goal:.2f}x Keras with the same policy",
+                "; ".join(f"{config} {ratio:.2f}x" for config, ratio in vs_keras),
+                worst[1] >= goal,
+            ))
+            if name in ("mlp", "convnet"):
+                overhead = loss_scale_overhead(rows, jit)
+                checks.append((
+                    f"{name}, jit {j}: loss-scaling overhead <= 3%",
+                    f"{overhead * 100:+.1f}%",
+                    overhead <= 0.03,
+                ))
+                goal = 1.8 if name == "mlp" else 1.2
+                auto = rows[f"kmp auto | jit={j}"]["vs_float32"]
+                checks.append((
+                    f"{name}, jit {j}: kmp auto >= {goal}x float32",
+                    f"{auto:.2f}x",
+                    auto >= goal,
+                ))
+    return checks
+
+
+def overhead_table(results):
+    lines = [
+        "| workload | jit off | jit on |",
+        "|---|---:|---:|",
+    ]
+    for name, rows in results.items():
+        lines.append(
+            f"| {name} | {loss_scale_overhead(rows, False) * 100:+.1f}% | "
+            f"{loss_scale_overhead(rows, True) * 100:+.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+_KEY_OP_TYPES = ("IsFinite", "All", "RealDiv", "Mul", "Cast", "Pack", "If", "StatelessIf",
+                 "AssignVariableOp", "AssignAddVariableOp", "ReadVariableOp", "Select", "SelectV2")
+
+
+def op_count_table(counts):
+    """Markdown table comparing op counts of kmp and Keras (mixed_float16)."""
+    adam = sum(counts["adam_apply"].values())
+    rows = [
+        ("train step, all ops", sum(counts["keras"]["train_step"].values()),
+         sum(counts["kmp"]["train_step"].values())),
+        ("optimizer.apply, all ops", sum(counts["keras"]["apply"].values()),
+         sum(counts["kmp"]["apply"].values())),
+        ("optimizer.apply minus plain Adam.apply (the loss scaler's own ops)",
+         sum(counts["keras"]["apply"].values()) - adam,
+         sum(counts["kmp"]["apply"].values()) - adam),
+    ]
+    for op_type in _KEY_OP_TYPES:
+        keras_count = counts["keras"]["train_step"].get(op_type, 0)
+        kmp_count = counts["kmp"]["train_step"].get(op_type, 0)
+        if keras_count or kmp_count:
+            rows.append((f"train step, `{op_type}` ops", keras_count, kmp_count))
+    lines = ["| graph (many_variables, mixed_float16, jit off) | Keras | kmp |", "|---|---:|---:|"]
+    lines += [f"| {label} | {keras_count} | {kmp_count} |" for label, keras_count, kmp_count in rows]
+    lines.append(f"\nPlain `Adam.apply` on the same {counts['variables']} variables: {adam} ops.")
+    return "\n".join(lines)
+
+
+def markdown(results, workloads, machine, *, command, mode, repeats, counts, memory_note, chart_note):
+    sections = [
+        f"# kmp benchmarks ({mode})",
+        f"Command: `{command}`",
+        f"Machine: {machine_line(machine)}",
+        f"Each number is the median samples/s of {repeats} timed repeats after warm-up; "
+        "configurations of a workload are built in one process and their repeats "
+        "interleaved. Ratios compare samples/s with the same `jit_compile`; "
+        "`kmp auto` is compared with Keras running the policy auto resolved to.",
+        "## Workloads",
+        "\n".join(f"- `{w.name}`: {w.title}, sizes {w.sizes}" for w in workloads),
+        "## Throughput",
+        results_table(results, workloads),
+        memory_note,
+        "## Loss-scaling overhead (step time of kmp mixed_float16 over the same model with `loss_scale=None`)",
+        overhead_table(results),
+    ]
+    if counts is not None:
+        sections += ["## Ops in the traced graph", op_count_table(counts)]
+    sections += [
+        "## Targets",
+        "\n".join(f"- {_check(met)}: {target} ({measured})" for target, measured, met in targets(results)),
+        chart_note,
+    ]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def chart(results, workloads, path):
+    """Writes a bar chart of the ratios to `path`. Returns False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [w.name for w in workloads]
+    series = [
+        (f"{config} jit {'on' if jit else 'off'}", config, jit)
+        for jit in (False, True)
+        for config in ("kmp mixed_float16", "kmp mixed_bfloat16", "kmp auto")
+    ]
+    figure, axes = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / len(series)
+    for axis, key, title in (
+        (axes[0], "vs_keras", "kmp / Keras built-in, same policy"),
+        (axes[1], "vs_float32", "kmp / float32"),
+    ):
+        for index, (label, config, jit) in enumerate(series):
+            values = [
+                results[name][f"{config} | jit={'on' if jit else 'off'}"][key] or 0.0
+                for name in names
+            ]
+            axis.bar([i + index * width for i in range(len(names))], values, width,
+                     label=label, hatch="//" if jit else None)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(names))])
+        axis.set_xticklabels(names)
+        axis.set_ylabel("throughput ratio (samples/s)")
+        axis.set_title(title)
+    axes[1].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True

@@ -1,0 +1,163 @@
+"""The benchmark workloads: models and in-memory data, sized per run mode.
+
+Each workload builds the same functional graph for every configuration; only
+the model class (`keras.Model` or `kmp.Model`) and the global policy at build
+time differ.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark model: how to build it and the batch it trains on.
+
+    Attributes:
+        name: Short identifier (`mlp`, `convnet`, ...).
+        title: What the workload exercises, for the report.
+        build: Callable `(model_class, sizes) -> model`, not compiled.
+        data: Callable `(sizes, rng) -> (x, y)` numpy arrays, one batch.
+        sizes: Dict of size parameters for this run mode.
+    """
+
+    name: str
+    title: str
+    build: object
+    data: object
+    sizes: dict
+
+
+def _mlp(model_class, s):
+    inputs = keras.Input((s["features"],))
+    x = inputs
+    for _ in range(s["layers"]):
+        x = keras.layers.Dense(s["width"], activation="relu")(x)
+    outputs = keras.layers.Dense(s["classes"])(x)
+    return model_class(inputs, outputs)
+
+
+def _mlp_data(s, rng):
+    x = rng.standard_normal((s["batch"], s["features"]), dtype=np.float32)
+    y = rng.integers(0, s["classes"], (s["batch"],))
+    return x, y
+
+
+def _convnet(model_class, s):
+    inputs = keras.Input((s["image"], s["image"], 3))
+    x = inputs
+    for i, filters in enumerate(s["filters"]):
+        x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+        x = keras.layers.BatchNormalization()(x)
+        x = keras.layers.ReLU()(x)
+        if i < len(s["filters"]) - 1:
+            x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(s["classes"])(x)
+    return model_class(inputs, outputs)
+
+
+def _convnet_data(s, rng):
+    x = rng.standard_normal((s["batch"], s["image"], s["image"], 3), dtype=np.float32)
+    y = rng.integers(0, s["classes"], (s["batch"],))
+    return x, y
+
+
+def _transformer(model_class, s):
+    inputs = keras.Input((s["seq"],), dtype="int32")
+    x = keras.layers.Embedding(s["vocab"], s["dim"])(inputs)
+    for _ in range(s["blocks"]):
+        attention = keras.layers.MultiHeadAttention(
+            s["heads"], s["dim"] // s["heads"]
+        )(x, x)
+        x = keras.layers.LayerNormalization()(x + attention)
+        hidden = keras.layers.Dense(s["ff"], activation="gelu")(x)
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dense(s["dim"])(hidden))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(s["classes"])(x)
+    return model_class(inputs, outputs)
+
+
+def _transformer_data(s, rng):
+    x = rng.integers(0, s["vocab"], (s["batch"], s["seq"])).astype(np.int32)
+    y = rng.integers(0, s["classes"], (s["batch"],))
+    return x, y
+
+
+def _many_variables(model_class, s):
+    inputs = keras.Input((s["width"],))
+    x = inputs
+    for _ in range(s["blocks"]):
+        x = keras.layers.Dense(s["width"], activation="relu")(x)
+        x = keras.layers.LayerNormalization()(x)
+    outputs = keras.layers.Dense(s["classes"])(x)
+    return model_class(inputs, outputs)
+
+
+def _many_variables_data(s, rng):
+    x = rng.standard_normal((s["batch"], s["width"]), dtype=np.float32)
+    y = rng.integers(0, s["classes"], (s["batch"],))
+    return x, y
+
+
+# Sizes per mode. float16 is emulated on CPUs without native float16 math and
+# runs several times slower than float32, which bounds how large these can be.
+_SIZES = {
+    "mlp": {
+        "full": dict(batch=256, features=512, width=1024, layers=3, classes=10),
+        "quick": dict(batch=128, features=256, width=512, layers=2, classes=10),
+        "smoke": dict(batch=16, features=32, width=32, layers=1, classes=4),
+    },
+    "convnet": {
+        "full": dict(batch=64, image=32, filters=(32, 64, 128), classes=10),
+        "quick": dict(batch=32, image=16, filters=(16, 32), classes=10),
+        "smoke": dict(batch=4, image=8, filters=(4,), classes=4),
+    },
+    "transformer": {
+        "full": dict(batch=32, seq=64, vocab=1000, dim=128, heads=4, ff=512, blocks=2, classes=10),
+        "quick": dict(batch=16, seq=32, vocab=500, dim=64, heads=2, ff=128, blocks=1, classes=10),
+        "smoke": dict(batch=4, seq=8, vocab=50, dim=16, heads=2, ff=16, blocks=1, classes=4),
+    },
+    "many_variables": {
+        # 50 blocks = 100 Dense/LayerNorm layers (+ the output Dense), 202
+        # variables. Tracing time grows with the layer count, so --quick
+        # uses fewer.
+        "full": dict(batch=64, width=32, blocks=50, classes=10),
+        "quick": dict(batch=64, width=32, blocks=12, classes=10),
+        "smoke": dict(batch=8, width=8, blocks=2, classes=4),
+    },
+}
+
+_DEFINITIONS = {
+    "mlp": ("dense MLP (compute-bound)", _mlp, _mlp_data),
+    "convnet": ("convnet with BatchNorm", _convnet, _convnet_data),
+    "transformer": ("Transformer encoder (attention + LayerNorm)", _transformer, _transformer_data),
+    "many_variables": ("many small variables (Dense + LayerNorm blocks)", _many_variables, _many_variables_data),
+}
+
+WORKLOAD_NAMES = tuple(_DEFINITIONS)
+
+
+def get_workload(name, mode):
+    """Returns the `Workload` called `name`, sized for `mode`.
+
+    Args:
+        name: String. One of `WORKLOAD_NAMES`.
+        mode: String. `"full"`, `"quick"` or `"smoke"`.
+
+    Raises:
+        ValueError: if `name` or `mode` is unknown.
+    """
+    if name not in _DEFINITIONS:
+        raise ValueError(
+            f"Unknown workload. `name` must be one of {', '.join(WORKLOAD_NAMES)}. "
+            f"Received: name={name!r}"
+        )
+    if mode not in _SIZES[name]:
+        raise ValueError(
+            f"`mode` must be one of full, quick, smoke. Received: mode={mode!r}"
+        )
+    title, build, data = _DEFINITIONS[name]
+    return Workload(name, title, build, data, _SIZES[name][mode])

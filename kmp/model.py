@@ -34,12 +34,13 @@ def _to_float32(outputs):
 
 
 def _computes_in_float16(model):
-    if model.dtype_policy.compute_dtype == "float16":
-        return True
-    return any(
-        layer.compute_dtype == "float16"
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-    )
+    # The layers decide, not the model's own policy: a model loaded (or built)
+    # while the global policy was mixed_float16 has that policy even when all
+    # its layers compute in float32.
+    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    if not layers:
+        return model.dtype_policy.compute_dtype == "float16"
+    return any(layer.compute_dtype == "float16" for layer in layers)
 
 
 def _loss_scale_optimizer(optimizer, loss_scale, model):
@@ -187,7 +188,7 @@ class Model(keras.Model):
 
     def get_compile_config(self):
         config = super().get_compile_config()
-        if config is not None:
+        if config:  # Keras returns {} for a model that was never compiled.
             config["loss_scale"] = getattr(self, "_kmp_loss_scale", "auto")
         return config
 

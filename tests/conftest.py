@@ -26,3 +26,11 @@ def _float32_policy_around_each_test():
     yield
     kmp.set_policy("float32")
     keras.utils.clear_session()
+
+
+@pytest.fixture(scope="session")
+def mirrored_strategy():
+    """One two-replica strategy for the whole session: a second
+    MirroredStrategy in the same process can reuse collective instance keys
+    with other shapes and fail with "Shape mismatch in the collective"."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

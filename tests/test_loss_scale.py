@@ -459,8 +459,8 @@ def test_state_survives_keras_file_and_weights_round_trips(tmp_path):
     assert _state_values(fresh.optimizer) == expected
 
 
-def test_distributed_step_is_decided_on_reduced_gradients_and_counted_once():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+def test_distributed_step_is_decided_on_reduced_gradients_and_counted_once(mirrored_strategy):
+    strategy = mirrored_strategy
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 4)).astype("float32")
     y = rng.normal(size=(64, 1)).astype("float32")

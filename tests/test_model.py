@@ -283,9 +283,9 @@ def test_subclasses_stay_subclassed_after_functional_use():
     assert functional_subclass(x).dtype == tf.float32
 
 
-def test_distributed_fit_with_mirrored_strategy():
+def test_distributed_fit_with_mirrored_strategy(mirrored_strategy):
     kmp.set_policy("mixed_float16")
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored_strategy
     with strategy.scope():
         model = _functional()
         model.compile("adam", "sparse_categorical_crossentropy")
@@ -295,3 +295,19 @@ def test_distributed_fit_with_mirrored_strategy():
     assert history.history["skipped_steps"][-1] == skipped
     assert history.history["loss_scale"][-1] == 2.0**15 * 0.5**skipped
     assert int(model.optimizer.iterations.numpy()) == 8 - skipped
+
+
+def test_uncompiled_model_reloads_uncompiled(tmp_path):
+    model = _functional()
+    model.save(tmp_path / "raw.keras")
+    restored = keras.models.load_model(tmp_path / "raw.keras")
+    assert getattr(restored, "optimizer", None) is None
+
+
+def test_auto_loss_scale_follows_the_layers_not_the_model_policy():
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, dtype="float32")(inputs)
+    kmp.set_policy("mixed_float16")
+    model = kmp.Model(inputs, outputs)  # the model takes mixed_float16 ...
+    model.compile("sgd", "mse")  # ... but nothing in it computes in float16
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)

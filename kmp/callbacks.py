@@ -24,6 +24,9 @@ from kmp import loss_scale as loss_scale_module
 # How many overflowing variables a warning or CSV row names before "+N more".
 _NAMES_SHOWN = 3
 
+# Steps the monitor collects before processing them (CSV rows, statistics).
+_PROCESS_EVERY = 256
+
 CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_variables")
 
 _REASON_FORWARD = "forward"
@@ -322,6 +325,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._csv_file = None
         self._pending_lines = []
         self._pending_warnings = []
+        self._pending_steps = []
+        self._last_names = []
 
     def get_config(self):
         return {
@@ -340,13 +345,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def _read_step(self, logs):
         """Returns `(counters, nonfinite_gradients, loss, loss_scale)` for the
-        step just taken; `nonfinite_gradients` stays on the device until used.
+        step just taken; `nonfinite_gradients` and `loss` stay tensors until
+        the step is processed.
         """
         monitor_logs = getattr(self.model, "_kmp_monitor_logs", None) or {}
         if "counters" in monitor_logs:
             counters = monitor_logs["counters"]
             nonfinite_gradients = monitor_logs["nonfinite_gradients"]
-            loss = float(monitor_logs["loss"])
+            loss = monitor_logs["loss"]  # converted when the step is processed
         else:
             # Not a kmp.Model, several replicas, or a custom train_step: read
             # the optimizer (one small host read per step) and use the
@@ -377,6 +383,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.epoch_summaries = []
         self._pending_lines = []
         self._pending_warnings = []
+        self._pending_steps = []
+        self._last_names = []
         if self._optimizer is None:
             if self.verbose:
                 io_utils.print_msg(
@@ -420,9 +428,27 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._optimizer is None:
             return
-        logs = logs or {}
-        counters, nonfinite_gradients, loss, loss_scale = self._read_step(logs)
-        step, skipped_total, forward_total, consecutive, consecutive_forward = counters
+        # Right after a step, Python competes with the framework's worker
+        # threads and runs several times slower: do only the stop check now
+        # and process the steps in batches.
+        record = self._read_step(logs or {})
+        self._pending_steps.append(record)
+        consecutive = record[0][3]
+        limit = self.max_consecutive_skips
+        if limit is not None and self.stopped_step is None and consecutive >= limit:
+            self._process_pending_steps()
+            self._stop(record[0][0], consecutive, record[0][4], self._last_names)
+        elif len(self._pending_steps) >= _PROCESS_EVERY:
+            self._process_pending_steps()
+
+    def _process_pending_steps(self):
+        for record in self._pending_steps:
+            self._process_step(*record)
+        self._pending_steps = []
+
+    def _process_step(self, counters, nonfinite_gradients, loss, loss_scale):
+        step, skipped_total, forward_total = counters[:3]
+        loss = float(loss)
         last_step, last_skipped, last_forward = self._last
         self._last = (step, skipped_total, forward_total)
         steps = step - last_step
@@ -463,10 +489,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 (step, loss, _csv_number(loss_scale), skipped, reason,
                  _shorten_names(names, separator=";"))
             )
-
-        limit = self.max_consecutive_skips
-        if limit is not None and self.stopped_step is None and consecutive >= limit:
-            self._stop(step, consecutive, consecutive_forward, names)
+        self._last_names = names
 
     def _stop(self, step, consecutive, consecutive_forward, names):
         limit = self.max_consecutive_skips
@@ -506,6 +529,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._optimizer is None:
             return
+        self._process_pending_steps()
         if self._csv_file is not None:
             self._csv_file.flush()
         summary = dict(self._epoch)
@@ -532,6 +556,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
             )
 
     def on_train_end(self, logs=None):
+        if self._optimizer is not None:
+            self._process_pending_steps()
         if self._csv_file is not None:
             self._csv_file.close()
             self._csv_file = None

@@ -186,17 +186,22 @@ class LossScaleMonitor(keras.callbacks.Callback):
     its logs (no extra device round trip), and:
 
     ```
-    skipped = skipped_steps - skipped_steps_before        # this step / execution
-    forward = forward_overflows - forward_overflows_before  # loss not finite
-    backward = skipped - forward                          # gradients not finite
-    write a CSV row (step, loss, loss_scale, skipped, reason, variables)
-    if consecutive_skips >= max_consecutive_skips:
-        model.stop_training = True    # and say at which step, and why
+    after each step (or execution):
+        keep its counters, loss and loss scale
+        if consecutive_skips >= max_consecutive_skips:
+            model.stop_training = True   # and say at which step, and why
+    every 256 steps and at the end of each epoch, for each step kept:
+        skipped = skipped_steps - skipped_steps_before          # 0 or 1
+        forward = forward_overflows - forward_overflows_before  # loss not finite
+        backward = skipped - forward                            # gradients not finite
+        write a CSV row (step, loss, loss_scale, skipped, reason, variables)
     at the end of each epoch:
+        flush the CSV
         print "epoch 3: 12 of 500 steps skipped (2.4%: 12 backward, 0 forward),
                loss scale 32768 -> 65536 (min 16384, max 65536)"
-        if skipped / steps > warn_skip_rate: warn once, with likely causes
-        flush the CSV
+        if skipped / steps > warn_skip_rate: warn, with likely causes
+        (both once the progress bar has finished its line: when the next
+        epoch starts or training ends)
     at the end of training: write the plot
     ```
 
@@ -205,11 +210,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     *backward* overflow is a step whose loss was finite but whose gradients
     were not: the scale was too high for them, which dynamic scaling handles
     by backing off. For backward overflows the monitor names the first
-    variables (in the optimizer's order) whose gradients were not finite, found
-    on the device by one `isfinite` reduction per gradient, the same one the
-    optimizer's finite check uses.
+    variables (in the optimizer's order) whose gradients were not finite:
+    the optimizer finds them on the device, with one `isfinite` reduction per
+    gradient, and only on skipped steps.
 
-    Cost: a few microseconds of Python per step, plus what any Keras
+    Cost: about 20 microseconds of Python per step, plus what any Keras
     callback with a per-batch hook costs: `fit` waits for each step's (or
     execution's) logs instead of dispatching callbacks in a background
     thread. On an accelerator, `steps_per_execution > 1` amortizes that wait.

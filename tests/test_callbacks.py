@@ -379,3 +379,18 @@ def test_config_round_trip_with_every_field_set(tmp_path):
         "plot_path": str(tmp_path / "b.png"),
         "verbose": 0,
     }
+
+
+def test_steps_processed_in_batches_mid_epoch(tmp_path, monkeypatch):
+    monkeypatch.setattr(kmp_callbacks, "_PROCESS_EVERY", 3)
+    monitor = kmp.callbacks.LossScaleMonitor(
+        csv_path=tmp_path / "s.csv", max_consecutive_skips=2, verbose=0, warn_skip_rate=None
+    )
+    _fit(_model(), _data(10, backward=(2, 5, 6)), callbacks=[monitor])
+    rows = _rows(tmp_path / "s.csv")
+    assert [(int(r["step"]), r["reason"]) for r in rows] == [
+        (1, ""), (2, "backward"), (3, ""), (4, ""), (5, "backward"), (6, "backward")
+    ]
+    assert monitor.stopped_step == 6
+    assert "gate/trouble" in monitor.stop_message
+    assert monitor.epoch_summaries[0]["skipped"] == 3

@@ -16,8 +16,6 @@ if _keras.backend.backend() != "tensorflow":
     )
 
 from kmp import callbacks
-from kmp.checkpoint import BackupAndRestore
-from kmp.checkpoint import ModelCheckpoint
 from kmp.export import export
 from kmp.export import load_model
 from kmp.loss_scale import LossScaleOptimizer
@@ -30,10 +28,8 @@ from kmp.policy import set_policy
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackupAndRestore",
     "LossScaleOptimizer",
     "Model",
-    "ModelCheckpoint",
     "Policy",
     "callbacks",
     "export",

@@ -1,4 +1,7 @@
-"""Callbacks that make every skipped step visible: `LossScaleMonitor`.
+"""Callbacks: `LossScaleMonitor`, and crash-safe `BackupAndRestore` and
+`ModelCheckpoint` (defined in `kmp.checkpoint`).
+
+`LossScaleMonitor` makes every skipped step visible.
 
 A skipped step is otherwise invisible: the scale halves, the update is
 dropped, and nothing is said unless the run diverges. `LossScaleMonitor`
@@ -20,6 +23,14 @@ from keras.src import tree
 from keras.src.utils import io_utils
 
 from kmp import loss_scale as loss_scale_module
+from kmp.checkpoint import BackupAndRestore
+from kmp.checkpoint import ModelCheckpoint
+
+__all__ = [
+    "BackupAndRestore",
+    "LossScaleMonitor",
+    "ModelCheckpoint",
+]
 
 # How many overflowing variables a warning or CSV row names before "+N more".
 _NAMES_SHOWN = 3

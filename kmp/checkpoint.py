@@ -203,7 +203,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     Example:
 
     ```python
-    backup = kmp.BackupAndRestore("/tmp/run-42/backup")
+    backup = kmp.callbacks.BackupAndRestore("/tmp/run-42/backup")
     model.fit(x, y, epochs=10, callbacks=[backup])  # rerun after a crash
     ```
     """
@@ -253,7 +253,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             raise ValueError(
                 f"The backup metadata {self._training_metadata_path!r} is not "
                 f"valid JSON (received {text[:80]!r}); it was not written by "
-                "kmp.BackupAndRestore, which replaces it atomically. Delete "
+                "kmp.callbacks.BackupAndRestore, which replaces it atomically. Delete "
                 "the backup directory to start over."
             ) from None
 
@@ -393,7 +393,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     Example:
 
     ```python
-    checkpoint = kmp.ModelCheckpoint("best.keras", save_best_only=True)
+    checkpoint = kmp.callbacks.ModelCheckpoint("best.keras", save_best_only=True)
     model.fit(x, y, validation_split=0.2, epochs=10, callbacks=[checkpoint])
     model = kmp.load_model("best.keras")
     ```

@@ -306,7 +306,7 @@ def _check_complete_archive(filepath):
             "`filepath` is not a complete .keras archive: it has "
             f"{os.path.getsize(path)} bytes but {problem}, as when a save is "
             "cut short (a process killed or interrupted while writing it in "
-            "place; kmp.ModelCheckpoint writes atomically). Load an earlier "
+            "place; kmp.callbacks.ModelCheckpoint writes atomically). Load an earlier "
             f"checkpoint. Received: filepath={path!r}"
         )
 

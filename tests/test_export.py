@@ -318,4 +318,6 @@ def test_load_float32_file_under_float16_adds_loss_scaling_keeps_slots(tmp_path)
     for saved, restored in zip(model.optimizer.variables, inner.variables):
         np.testing.assert_array_equal(saved.numpy(), restored.numpy())
     loaded.fit(x, np.arange(8) % 3, batch_size=4, verbose=0)
-    assert int(loaded.optimizer.iterations) == 4
+    # A step may overflow at 2**15 in float16: skipped, it is not applied.
+    skipped = int(loaded.optimizer.skipped_steps)
+    assert int(loaded.optimizer.iterations) == 4 - skipped

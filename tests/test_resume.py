@@ -111,7 +111,7 @@ _WORKER = textwrap.dedent(
             dump(f"epoch{epoch + 1}.npz")
 
     if args.callback == "kmp":
-        backup = kmp.BackupAndRestore(args.backup)
+        backup = kmp.callbacks.BackupAndRestore(args.backup)
     else:
         backup = keras.callbacks.BackupAndRestore(args.backup)
     model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
@@ -231,7 +231,7 @@ def test_sigkill_mid_save_then_mid_epoch_resumes_bit_identical(worker):
 
 
 def test_keras_backup_killed_mid_save_resumes_from_a_state_that_never_existed(worker):
-    """Why kmp.BackupAndRestore exists: this is what Keras' own callback does."""
+    """Why kmp.callbacks.BackupAndRestore exists: this is what Keras' own callback does."""
     backup = worker / "backup"
     first, marker, _ = _start(
         worker, "first", "--callback", "keras", "--backup", str(backup),
@@ -275,7 +275,7 @@ def test_model_checkpoint_reloads_and_continues_with_the_same_loss_scale(tmp_pat
     path = tmp_path / "run.keras"
     model.fit(
         x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-        callbacks=[kmp.ModelCheckpoint(str(path), save_weights_only=False)],
+        callbacks=[kmp.callbacks.ModelCheckpoint(str(path), save_weights_only=False)],
     )
     assert float(model.optimizer.loss_scale) == 8.0 * 2**2
 
@@ -306,7 +306,7 @@ def _fail_half_way_through_saving(monkeypatch):
     monkeypatch.setattr(saving_lib, "_save_state", save_state)
 
 
-@pytest.mark.parametrize("callback_class", [keras.callbacks.ModelCheckpoint, kmp.ModelCheckpoint])
+@pytest.mark.parametrize("callback_class", [keras.callbacks.ModelCheckpoint, kmp.callbacks.ModelCheckpoint])
 def test_checkpoint_interrupted_while_saving_keeps_the_previous_one(
     tmp_path, monkeypatch, callback_class
 ):
@@ -346,12 +346,12 @@ def test_restore_refuses_a_backup_without_the_optimizer_state(tmp_path):
     )
     with pytest.raises(ValueError, match="backup-000000.weights.h5.*does not match"):
         model.fit(x, y, epochs=2, verbose=0,
-                  callbacks=[kmp.BackupAndRestore(str(tmp_path / "backup"))])
+                  callbacks=[kmp.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
 
     (tmp_path / "backup" / "training_metadata.json").write_text('{"epoch": 1, "ba')
     with pytest.raises(ValueError, match="not valid JSON"):
         model.fit(x, y, epochs=2, verbose=0,
-                  callbacks=[kmp.BackupAndRestore(str(tmp_path / "backup"))])
+                  callbacks=[kmp.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
 
 
 def test_write_atomically_removes_the_partial_file_on_error(tmp_path):
@@ -381,7 +381,7 @@ def test_monitor_state_is_backed_up_and_restored(tmp_path):
         early_stopping = keras.callbacks.EarlyStopping(
             monitor="loss", mode="max", patience=100
         )
-        backup = kmp.BackupAndRestore(
+        backup = kmp.callbacks.BackupAndRestore(
             str(backup_dir), delete_checkpoint=False, monitors=[early_stopping]
         )
         model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
@@ -396,7 +396,7 @@ def test_monitor_state_is_backed_up_and_restored(tmp_path):
     assert resumed.best == uninterrupted.best
 
     with pytest.raises(TypeError, match="monitors"):
-        kmp.BackupAndRestore(str(tmp_path / "b"), monitors=["early_stopping"])
+        kmp.callbacks.BackupAndRestore(str(tmp_path / "b"), monitors=["early_stopping"])
 
 
 def test_loading_a_truncated_checkpoint_fails_with_a_clear_error(tmp_path):
@@ -418,7 +418,7 @@ def test_double_checkpoint_falls_back_to_the_previous_backup(tmp_path):
     backup_dir = tmp_path / "backup"
     model = _bfloat16_model()
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
-        kmp.BackupAndRestore(str(backup_dir), double_checkpoint=True,
+        kmp.callbacks.BackupAndRestore(str(backup_dir), double_checkpoint=True,
                              delete_checkpoint=False)])
     metadata = json.loads((backup_dir / "training_metadata.json").read_text())
     assert metadata["epoch"] == 2 and metadata["previous"]["epoch"] == 1
@@ -431,6 +431,6 @@ def test_double_checkpoint_falls_back_to_the_previous_backup(tmp_path):
     )
     probe.seen = []
     resumed.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
-        kmp.BackupAndRestore(str(backup_dir), double_checkpoint=True), probe])
+        kmp.callbacks.BackupAndRestore(str(backup_dir), double_checkpoint=True), probe])
     assert probe.seen == [3]  # the epoch-1 backup: 3 steps
     assert int(resumed.optimizer.iterations) == 6

@@ -146,7 +146,7 @@ def targets(results):
             worst = min(vs_keras, key=lambda item: item[1])
             checks.append((
                 f"{name}, jit {j}: every kmp config >= {goal:.2f}x Keras with the same policy",
-                "; ".join(f"{config} {ratio:.2f}x" for config, ratio in vs_keras),
+                "; ".join(f"{config} {ratio:.3f}x" for config, ratio in vs_keras),
                 worst[1] >= goal,
             ))
             if name in ("mlp", "convnet"):

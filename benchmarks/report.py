@@ -93,6 +93,11 @@ def ratios(results):
             )
 
 
+def _jit_settings(rows):
+    """The `jit_compile` settings present in `rows`, off first."""
+    return [jit for jit in (False, True) if any(e["jit_compile"] == jit for e in rows.values())]
+
+
 def loss_scale_overhead(rows, jit):
     """Step-time overhead of loss scaling: kmp mixed_float16 vs loss_scale=None."""
     jit = "on" if jit else "off"
@@ -135,7 +140,7 @@ def targets(results):
     """Returns a list of (target, measured, met) for the issue's targets."""
     checks = []
     for name, rows in results.items():
-        for jit in (False, True):
+        for jit in _jit_settings(rows):
             j = "on" if jit else "off"
             vs_keras = [
                 (entry["config"], entry["vs_keras"])
@@ -172,10 +177,11 @@ def overhead_table(results):
         "|---|---:|---:|",
     ]
     for name, rows in results.items():
-        lines.append(
-            f"| {name} | {loss_scale_overhead(rows, False) * 100:+.1f}% | "
-            f"{loss_scale_overhead(rows, True) * 100:+.1f}% |"
-        )
+        cells = [
+            f"{loss_scale_overhead(rows, jit) * 100:+.1f}%" if jit in _jit_settings(rows) else "not run"
+            for jit in (False, True)
+        ]
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
@@ -243,9 +249,10 @@ def chart(results, workloads, path):
     except ImportError:
         return False
     names = [w.name for w in workloads]
+    jits = _jit_settings(results[names[0]])
     series = [
         (f"{config} jit {'on' if jit else 'off'}", config, jit)
-        for jit in (False, True)
+        for jit in jits
         for config in ("kmp mixed_float16", "kmp mixed_bfloat16", "kmp auto")
     ]
     figure, axes = plt.subplots(1, 2, figsize=(14, 5))

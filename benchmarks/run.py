@@ -3,7 +3,8 @@
 Usage (from the repository root):
 
     python -m benchmarks.run            # full run, ~10-15 minutes on 2 CPU cores
-    python -m benchmarks.run --quick    # under 2 minutes, smaller models
+    python -m benchmarks.run --quick    # smaller models, jit off only: ~2 minutes
+    python -m benchmarks.run --jit on   # only jit_compile=True (off, on, both)
     python -m benchmarks.run --out DIR  # results folder (default: results/)
 
 What it does, per workload (MLP, convnet, Transformer encoder, many small
@@ -40,10 +41,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _MODES = {
     # repeats, seconds per timed chunk, warm-up steps, steps in a memory child
-    "full": dict(repeats=7, chunk_seconds=0.5, warmup_steps=3, memory_steps=5, memory=True),
-    "quick": dict(repeats=5, chunk_seconds=0.1, warmup_steps=2, memory_steps=3, memory=False),
+    "full": dict(repeats=7, chunk_seconds=0.5, warmup_steps=3, memory_steps=5, memory=True, jit="both"),
+    # Building and compiling 56 models takes most of a run; XLA compiles take
+    # twice as long as the rest, so the quick run leaves them out.
+    "quick": dict(repeats=5, chunk_seconds=0.1, warmup_steps=1, memory_steps=3, memory=False, jit="off"),
     # For tests: tiny models, one step per repeat.
-    "smoke": dict(repeats=5, chunk_seconds=0.0, warmup_steps=1, memory_steps=1, memory=False),
+    "smoke": dict(repeats=5, chunk_seconds=0.0, warmup_steps=1, memory_steps=1, memory=False, jit="both"),
 }
 
 
@@ -58,6 +61,8 @@ def _parse_args(argv):
     parser.add_argument("--out", default="results", help="results folder (default: results/)")
     parser.add_argument("--workloads", default=None,
                         help="comma-separated subset of: mlp, convnet, transformer, many_variables")
+    parser.add_argument("--jit", choices=("off", "on", "both"), default=None,
+                        help="jit_compile settings to run (default: both; off with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration (>= 5 recommended)")
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument("--memory", dest="memory", action="store_true", default=None,
@@ -81,6 +86,8 @@ def main(argv=None):
         settings["repeats"] = args.repeats
     if args.memory is not None:
         settings["memory"] = args.memory
+    if args.jit is not None:
+        settings["jit"] = args.jit
 
     import tensorflow as tf
 
@@ -100,12 +107,17 @@ def main(argv=None):
     machine = report.describe_machine()
     print(f"kmp benchmarks ({mode}): {report.machine_line(machine)}", flush=True)
 
+    configs = [
+        config
+        for config in harness.CONFIGS
+        if settings["jit"] == "both" or config.jit_compile == (settings["jit"] == "on")
+    ]
     results = {}
     for workload in workloads:
         print(f"[{time.perf_counter() - started:6.0f}s] {workload.name}: {workload.sizes}", flush=True)
         results[workload.name] = harness.time_workload(
             workload,
-            harness.CONFIGS,
+            configs,
             repeats=settings["repeats"],
             chunk_seconds=settings["chunk_seconds"],
             warmup_steps=settings["warmup_steps"],
@@ -125,7 +137,7 @@ def main(argv=None):
     if settings["memory"]:
         print(f"[{time.perf_counter() - started:6.0f}s] memory: one child process per "
               "configuration, two at a time", flush=True)
-        jobs = [(workload, config) for workload in workloads for config in harness.CONFIGS]
+        jobs = [(workload, config) for workload in workloads for config in configs]
         # Building a model is mostly single-threaded Python tracing, so two
         # children share the two cores well; peak RSS is per process anyway.
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:

@@ -125,7 +125,7 @@ _SIZES = {
         # variables. Tracing time grows with the layer count, so --quick
         # uses fewer.
         "full": dict(batch=64, width=32, blocks=50, classes=10),
-        "quick": dict(batch=64, width=32, blocks=12, classes=10),
+        "quick": dict(batch=64, width=32, blocks=6, classes=10),
         "smoke": dict(batch=8, width=8, blocks=2, classes=4),
     },
 }

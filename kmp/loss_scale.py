@@ -557,9 +557,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             for g, v in zip(grads, trainable_variables)
         ]
         finite = all_finite(grads)
-        # Which variables overflowed, for the monitor: one isfinite reduction
-        # per gradient, only on skipped steps, so finite steps keep
-        # `all_finite`'s fused check.
+        # Which variables overflowed, for the monitor: computed only on
+        # skipped steps, so a finite step costs no more than the decision.
         nonfinite_gradients = ops.cond(
             finite,
             lambda: ops.zeros((len(self._trainable_variables),), "int32"),

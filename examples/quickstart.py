@@ -1,10 +1,12 @@
 """Quickstart: a small convnet on scikit-learn's bundled digits, in mixed precision.
 
     python examples/quickstart.py                      # kmp.set_policy("auto")
-    python examples/quickstart.py --policy mixed_float16
+    python examples/quickstart.py --policy mixed_float16 --plot loss_scale.png
 
 Trains with the Keras progress bar (which shows the loss scale when the policy
-computes in float16), reports accuracy, skipped steps and time per epoch,
+computes in float16) and kmp's LossScaleMonitor (one line per epoch on skipped
+steps and the scale, and a plot with --plot), reports accuracy, skipped steps
+and time per epoch,
 exports a SavedModel, reloads it and checks its predictions match.
 """
 
@@ -57,6 +59,9 @@ def main(argv=None):
     )
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--export-dir", default=None)
+    parser.add_argument(
+        "--plot", default=None, help="PNG of the loss scale and loss (needs matplotlib)"
+    )
     args = parser.parse_args(argv)
 
     policy = kmp.set_policy(args.policy)
@@ -75,9 +80,11 @@ def main(argv=None):
         metrics=["accuracy"],
     )
     timer = EpochTimer()
+    # Prints each epoch's skipped steps and loss scale when the policy scales.
+    monitor = kmp.callbacks.LossScaleMonitor(plot_path=args.plot)
     history = model.fit(
         x_train, y_train, batch_size=32, epochs=args.epochs, verbose=1,
-        validation_split=0.1, callbacks=[timer],
+        validation_split=0.1, callbacks=[timer, monitor],
     )
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     skipped = history.history.get("skipped_steps", [0])[-1]

@@ -141,9 +141,18 @@ def all_finite(gradients):
     Returns:
         Boolean scalar tensor.
     """
-    flags = [
-        ops.all(ops.isfinite(_values(g))) for g in gradients if g is not None
+    return _all_true(_finite_flags(gradients))
+
+
+def _finite_flags(gradients):
+    """One boolean scalar per gradient (`None` for a missing gradient)."""
+    return [
+        None if g is None else ops.all(ops.isfinite(_values(g))) for g in gradients
     ]
+
+
+def _all_true(flags):
+    flags = [f for f in flags if f is not None]
     if not flags:
         return ops.convert_to_tensor(True)
     return ops.all(ops.stack(flags))
@@ -556,13 +565,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             else _map_gradient(lambda t: t / ops.cast(scale, t.dtype), g)
             for g, v in zip(grads, trainable_variables)
         ]
-        finite = all_finite(grads)
-        # Which variables overflowed, for the monitor: computed only on
-        # skipped steps, so a finite step costs no more than the decision.
+        finite_flags = _finite_flags(grads)
+        finite = _all_true(finite_flags)
+        # Which variables overflowed, for the monitor: assembled from the
+        # decision's own per-gradient flags, only on skipped steps.
         nonfinite_gradients = ops.cond(
             finite,
             lambda: ops.zeros((len(self._trainable_variables),), "int32"),
-            lambda: self._nonfinite_gradient_flags(grads, trainable_variables),
+            lambda: self._nonfinite_gradient_flags(finite_flags, trainable_variables),
         )
         grads = clip_gradients(
             grads,
@@ -600,17 +610,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ops.cond(finite, apply_on_each_replica, lambda: None)
         self._update_state(finite, nonfinite_gradients, loss_finite)
 
-    def _nonfinite_gradient_flags(self, grads, trainable_variables):
+    def _nonfinite_gradient_flags(self, finite_flags, trainable_variables):
         """Int32 vector: 1 at the index of each variable whose gradient is not finite.
 
-        Indexed like the variables the optimizer was built with, so the
+        Built from `_finite_flags` (no second pass over the gradients) and
+        indexed like the variables the optimizer was built with, so the
         monitor can name them; variables without a gradient count as finite.
         """
         flags = [ops.convert_to_tensor(0, "int32")] * len(self._trainable_variables)
-        for gradient, variable in zip(grads, trainable_variables):
-            if gradient is not None:
+        for finite, variable in zip(finite_flags, trainable_variables):
+            if finite is not None:
                 flags[self._get_variable_index(variable)] = ops.cast(
-                    ops.logical_not(ops.all(ops.isfinite(_values(gradient)))), "int32"
+                    ops.logical_not(finite), "int32"
                 )
         if not flags:
             return ops.zeros((0,), "int32")

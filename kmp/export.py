@@ -24,6 +24,7 @@ from keras.src.export.export_utils import get_input_signature
 
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
+from kmp.model import _computes_in_float16
 from kmp.model import _to_float32
 
 INFERENCE_POLICY_NAMES = policy_module.POLICY_NAMES + ("auto",)
@@ -317,11 +318,7 @@ def _add_loss_scaling_if_needed(model):
         return
     if getattr(model, "_kmp_loss_scale", "auto") is None:
         return
-    computes_in_float16 = any(
-        layer.compute_dtype == "float16"
-        for layer in model._flatten_layers(include_self=True, recursive=True)
-    )
-    if not computes_in_float16:
+    if not _computes_in_float16(model):
         return
     # The loaded optimizer keeps its slots and iterations: Keras optimizers
     # do not rebuild once built, so the wrapper only adds its own state.

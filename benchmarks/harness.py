@@ -5,6 +5,12 @@ on one in-memory batch repeated by `tf.data`, so neither an input pipeline
 nor callbacks are measured. Every configuration of a workload is built and
 warmed up first; then the timed repeats are interleaved (A B C ... A B C ...)
 so that drift in machine speed hits every configuration alike.
+
+Memory: on a GPU, TensorFlow's allocator counts bytes in use and their peak,
+and the peak can be reset, so each configuration is measured in the timing
+process (`gpu_memory_steps`); on a CPU only the process's peak RSS is known,
+which cannot be split between models sharing a process, so each
+configuration runs again in a child process of its own (`measure_memory`).
 """
 
 import dataclasses
@@ -79,8 +85,17 @@ def find_config(name, jit_compile):
     )
 
 
-def build_model(workload, config):
-    """Builds and compiles `workload` under `config`; returns (model, resolved policy)."""
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(1e-3),
+    "sgd": lambda: keras.optimizers.SGD(1e-3, momentum=0.9),
+}
+
+
+def build_model(workload, config, optimizer="adam"):
+    """Builds and compiles `workload` under `config`; returns (model, resolved policy).
+
+    `optimizer` is a key of `OPTIMIZERS`: `"adam"`, or `"sgd"` (with momentum).
+    """
     if config.api == "keras":
         previous = keras.config.dtype_policy()
         keras.config.set_dtype_policy(config.policy)
@@ -96,7 +111,7 @@ def build_model(workload, config):
         resolved = policy.name
         compile_kwargs = {"loss_scale": config.loss_scale}
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
+        optimizer=OPTIMIZERS[optimizer](),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=config.jit_compile,
         **compile_kwargs,
@@ -129,22 +144,43 @@ def _peak_rss_mb():
     return float("nan")
 
 
-def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps, log=print):
+def _gpu_bytes():
+    """`(current, peak)` bytes in use on the first GPU, by TensorFlow's allocator."""
+    info = tf.config.experimental.get_memory_info("GPU:0")
+    return info["current"], info["peak"]
+
+
+def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
+                  optimizer="adam", gpu_memory_steps=0, log=print):
     """Times every configuration of `workload`, interleaved.
+
+    Args:
+        gpu_memory_steps: Int. With a GPU, after timing, runs each
+            configuration this many more steps with the allocator's peak reset
+            and adds `"memory"` to its row (0: not measured). Defaults to 0.
 
     Returns:
         Dict `label -> {"samples_per_s": median, "repeats": [...], "steps": n,
-        "policy": resolved policy, "optimizer": class name}`.
+        "policy": resolved policy, "optimizer": class name}`; with
+        `gpu_memory_steps`, also `"memory": {"kind": "gpu", "resident_mb",
+        "step_peak_mb", "peak_mb"}` (MiB): what building and warming this
+        configuration left allocated (weights, optimizer state), the peak
+        above everything allocated during its steps (activations, gradients,
+        the optimizer's temporaries), and the allocator's peak in all.
     """
     rng = np.random.default_rng(0)
     x, y = workload.data(workload.sizes, rng)
     batch = len(y)
-    runners, info = {}, {}
+    runners, info, resident = {}, {}, {}
     for config in configs:
         start = time.perf_counter()
-        model, resolved = build_model(workload, config)
+        if gpu_memory_steps:
+            before, _ = _gpu_bytes()
+        model, resolved = build_model(workload, config, optimizer)
         runner = _Runner(model, x, y)
         runner.run(warmup_steps)
+        if gpu_memory_steps:
+            resident[config.label] = _gpu_bytes()[0] - before
         # A few more timed steps tell how many make a chunk of `chunk_seconds`
         # (the fastest, as other processes can only slow a step down).
         step_time = float("inf")
@@ -188,24 +224,37 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps, lo
         gc.enable()
     for label, entry in info.items():
         entry["samples_per_s"] = statistics.median(entry["repeats"])
+    if gpu_memory_steps:
+        for label, (runner, _) in runners.items():
+            runner.run(1)  # nothing of another configuration still running
+            tf.config.experimental.reset_memory_stats("GPU:0")
+            current, _ = _gpu_bytes()
+            runner.run(gpu_memory_steps)
+            _, peak = _gpu_bytes()
+            info[label]["memory"] = {
+                "kind": "gpu",
+                "resident_mb": resident[label] / 2**20,
+                "step_peak_mb": (peak - current) / 2**20,
+                "peak_mb": peak / 2**20,
+            }
     return info
 
 
 # -- memory: one child process per configuration ------------------------------
 
 
-def memory_child(workload_name, mode, config_name, jit_compile, steps):
+def memory_child(workload_name, mode, config_name, jit_compile, steps, optimizer="adam"):
     """Entry point of the child: prints JSON with its peak resident memory."""
     workload = workloads_module.get_workload(workload_name, mode)
     config = find_config(config_name, jit_compile)
     x, y = workload.data(workload.sizes, np.random.default_rng(0))
     baseline = _peak_rss_mb()
-    model, _ = build_model(workload, config)
+    model, _ = build_model(workload, config, optimizer)
     _Runner(model, x, y).run(steps)
     print(json.dumps({"baseline_mb": baseline, "peak_mb": _peak_rss_mb()}))
 
 
-def measure_memory(workload, mode, config, *, steps):
+def measure_memory(workload, mode, config, *, steps, optimizer="adam"):
     """Peak RSS of a fresh process that builds and trains one configuration.
 
     Returns:
@@ -217,15 +266,19 @@ def measure_memory(workload, mode, config, *, steps):
     command = [
         sys.executable, "-m", "benchmarks.run", "--memory-child",
         workload.name, mode, config.name, "1" if config.jit_compile else "0", str(steps),
+        optimizer,
     ]
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    # A CPU measurement: the child must not take a GPU.
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
         command, capture_output=True, text=True, cwd=root, env=environment
     )
     if result.returncode != 0:
         return None
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    peak = json.loads(result.stdout.strip().splitlines()[-1])
+    peak["kind"] = "rss"
+    return peak
 
 
 # -- op counts ------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import datetime
 import os
 import platform
+import subprocess
 
 import keras
 import tensorflow as tf
@@ -30,7 +31,7 @@ def describe_machine():
             memory_gib = int(meminfo.readline().split()[1]) / 2**20
     except (OSError, ValueError, IndexError):
         pass
-    gpus = tf.config.list_physical_devices("GPU")
+    gpus = [_describe_gpu(gpu) for gpu in tf.config.list_physical_devices("GPU")]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": model_name,
@@ -38,11 +39,47 @@ def describe_machine():
         "memory_gib": memory_gib,
         "flags": {flag: flag in flags for flag in _FLAGS_OF_INTEREST},
         "gpus": len(gpus),
+        "gpu_names": gpus,
+        "device": gpus[0] if gpus else "CPU",
         "python": platform.python_version(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
+        "kmp": _kmp_version(),
         "load_average_start": _load_average(),
     }
+
+
+def _describe_gpu(gpu):
+    """"NAME (compute capability X.Y)" from what TensorFlow reports."""
+    try:
+        details = tf.config.experimental.get_device_details(gpu)
+    except Exception:  # noqa: BLE001 - a description must not stop a run
+        details = {}
+    name = details.get("device_name", gpu.name)
+    capability = details.get("compute_capability")
+    if capability:
+        return f"{name} (compute capability {capability[0]}.{capability[1]})"
+    return name
+
+
+def _kmp_version():
+    """kmp's version and, from a git checkout, the commit (with "+" if edited)."""
+    import kmp
+
+    version = getattr(kmp, "__version__", None) or "unknown version"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kmp.__file__)))
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+            text=True, timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "kmp"], cwd=root, capture_output=True,
+            text=True, timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return version
+    return f"{version} at {commit}{'+' if dirty else ''}" if commit else version
 
 
 def _load_average():
@@ -57,10 +94,13 @@ def machine_line(machine):
         f"{flag} {'yes' if present else 'no'}" for flag, present in machine["flags"].items()
     )
     memory = f", {machine['memory_gib']:.0f} GiB" if machine["memory_gib"] else ""
+    device = machine.get("device", "CPU")
+    gpus = ", ".join(machine.get("gpu_names") or []) or "none"
     return (
-        f"{machine['date']}; {machine['cpu']}, {machine['cores']} cores{memory}, "
-        f"{machine['gpus']} GPUs; CPU flags: {flags}; Python {machine['python']}, "
-        f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}; 1-minute load "
+        f"{machine['date']}; device: {device}; {machine['cpu']}, {machine['cores']} cores{memory}, "
+        f"GPUs: {gpus}; CPU flags: {flags}; Python {machine['python']}, "
+        f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}, "
+        f"kmp {machine.get('kmp', 'unknown')}; 1-minute load "
         f"average {machine['load_average_start']} at the start, "
         f"{machine.get('load_average_end', 'n/a')} at the end (other processes on the "
         "machine slow every configuration alike, since repeats are interleaved)"
@@ -113,12 +153,26 @@ def _fmt_ratio(value):
 def _fmt_memory(memory):
     if not memory:
         return "not measured"
+    if memory.get("kind") == "gpu":
+        return f"{memory['step_peak_mb']:,.0f} ({memory['resident_mb']:,.0f})"
     return f"{memory['peak_mb']:.0f} (+{memory['peak_mb'] - memory['baseline_mb']:.0f})"
+
+
+def _memory_header(results):
+    kinds = {
+        (entry.get("memory") or {}).get("kind")
+        for rows in results.values()
+        for entry in rows.values()
+    }
+    if "gpu" in kinds:
+        return "peak GPU MiB above resident (resident)"
+    return "peak RSS MB (+ over import)"
 
 
 def results_table(results, workloads):
     lines = [
-        "| workload | configuration | jit | policy | samples/s | vs Keras same policy | vs float32 | peak RSS MB (+ over import) |",
+        "| workload | configuration | jit | policy | samples/s | vs Keras same policy | vs float32 | "
+        f"{_memory_header(results)} |",
         "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for workload in workloads:
@@ -212,11 +266,16 @@ def op_count_table(counts):
     return "\n".join(lines)
 
 
-def markdown(results, workloads, machine, *, command, mode, repeats, counts, memory_note, chart_note):
+_OPTIMIZER_NAMES = {"adam": "`Adam(1e-3)`", "sgd": "`SGD(1e-3, momentum=0.9)`"}
+
+
+def markdown(results, workloads, machine, *, command, mode, repeats, counts, memory_note,
+             chart_note, optimizer="adam"):
     sections = [
         f"# kmp benchmarks ({mode})",
         f"Command: `{command}`",
         f"Machine: {machine_line(machine)}",
+        f"Optimizer: {_OPTIMIZER_NAMES.get(optimizer, optimizer)}. "
         f"Each number is the median samples/s of {repeats} timed repeats after warm-up; "
         "configurations of a workload are built in one process and their repeats "
         "interleaved. Ratios compare samples/s with the same `jit_compile`; "

@@ -7,8 +7,15 @@ Usage (from the repository root):
     python -m benchmarks.run --jit on   # only jit_compile=True (off, on, both)
     python -m benchmarks.run --out DIR  # results folder (default: results/)
 
-What it does, per workload (MLP, convnet, Transformer encoder, many small
-variables):
+On a machine with a GPU (`tf.config.list_physical_devices("GPU")`), the full
+run uses GPU-sized workloads (a 4x8192 MLP at batch 4096, ResNet50 at
+224x224 and batch 128, a BERT-base-sized encoder at sequence 128 and batch
+64), SGD with momentum, `jit_compile` on only, and measures peak GPU memory
+per configuration in the timing process. `--quick` and `--smoke` keep their
+small models there.
+
+What it does, per workload (on a CPU: MLP, convnet, Transformer encoder,
+many small variables):
 
 1. builds every configuration in one process: float32; Keras' built-in
    mixed_float16 (plain `keras.Model`, Keras' `LossScaleOptimizer`) and
@@ -17,9 +24,11 @@ variables):
 2. warms each up, then times them interleaved (A B C ... A B C ...), each
    repeat a chunk of `train_function` calls on one in-memory batch, and keeps
    the median samples/s;
-3. (full run, or `--memory`) measures peak resident memory of each
-   configuration in a child process of its own, since peak RSS cannot be
-   split between configurations sharing a process;
+3. (full run, or `--memory`) measures memory: on a CPU, the peak resident
+   memory of each configuration in a child process of its own, since peak RSS
+   cannot be split between configurations sharing a process; on a GPU, the
+   allocator's peak during a few more steps of each configuration, reset
+   before each, and what the configuration keeps allocated;
 4. counts the ops of the traced train step and of `optimizer.apply` for kmp
    and Keras on the many-variables model.
 
@@ -60,13 +69,19 @@ def _parse_args(argv):
     size.add_argument("--smoke", action="store_true", help="tiny models, one step per repeat (for tests)")
     parser.add_argument("--out", default="results", help="results folder (default: results/)")
     parser.add_argument("--workloads", default=None,
-                        help="comma-separated subset of: mlp, convnet, transformer, many_variables")
+                        help="comma-separated subset of: mlp, convnet, transformer, many_variables, "
+                             "resnet50 (default: the first four on a CPU; mlp, resnet50, transformer "
+                             "on a GPU)")
     parser.add_argument("--jit", choices=("off", "on", "both"), default=None,
-                        help="jit_compile settings to run (default: both; off with --quick)")
+                        help="jit_compile settings to run (default: both on a CPU, off with "
+                             "--quick; on with a GPU, both with --smoke)")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
+                        help="adam, or sgd with momentum 0.9 (default: adam on a CPU, sgd on a GPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration (>= 5 recommended)")
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument("--memory", dest="memory", action="store_true", default=None,
-                        help="measure peak RSS per configuration in child processes (default in the full run)")
+                        help="measure peak memory per configuration: GPU allocator peak, or peak "
+                             "RSS in child processes on a CPU (default in the full run)")
     memory.add_argument("--no-memory", dest="memory", action="store_false")
     parser.add_argument("--no-op-counts", dest="op_counts", action="store_false",
                         help="skip counting graph ops on the many-variables model")
@@ -84,21 +99,43 @@ def main(argv=None):
         if args.repeats < 1:
             raise SystemExit(f"`--repeats` must be >= 1. Received: --repeats={args.repeats}")
         settings["repeats"] = args.repeats
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        # Allocate as needed, so that the allocator's figures are the models'
+        # (and another process can share the GPU). Too late once devices are
+        # initialized, as when main() runs inside a process that used them.
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError:
+            pass
+    if gpus and mode == "full":
+        # XLA is what Keras uses on a GPU by default (jit_compile="auto").
+        settings["jit"] = "on"
+    if gpus:
+        # Measured in this process from the allocator's counters: cheap.
+        settings["memory"] = True
     if args.memory is not None:
         settings["memory"] = args.memory
     if args.jit is not None:
         settings["jit"] = args.jit
-
-    import tensorflow as tf
-
-    tf.get_logger().setLevel("ERROR")
+    settings["optimizer"] = args.optimizer or ("sgd" if gpus else "adam")
+    settings["device"] = "gpu" if gpus else "cpu"
     from benchmarks import harness
     from benchmarks import report
     from benchmarks import workloads as workloads_module
 
-    names = args.workloads.split(",") if args.workloads else list(workloads_module.WORKLOAD_NAMES)
+    default_names = (
+        workloads_module.GPU_WORKLOAD_NAMES if gpus and mode == "full"
+        else workloads_module.WORKLOAD_NAMES
+    )
+    names = args.workloads.split(",") if args.workloads else list(default_names)
     try:
-        workloads = [workloads_module.get_workload(name.strip(), mode) for name in names]
+        workloads = [
+            workloads_module.get_workload(name.strip(), mode, gpu=bool(gpus)) for name in names
+        ]
     except ValueError as error:
         raise SystemExit(str(error)) from None
     os.makedirs(args.out, exist_ok=True)
@@ -121,6 +158,8 @@ def main(argv=None):
             repeats=settings["repeats"],
             chunk_seconds=settings["chunk_seconds"],
             warmup_steps=settings["warmup_steps"],
+            optimizer=settings["optimizer"],
+            gpu_memory_steps=settings["memory_steps"] if gpus and settings["memory"] else 0,
             log=lambda line: print(line, flush=True),
         )
         import keras
@@ -134,7 +173,17 @@ def main(argv=None):
         print(f"[{time.perf_counter() - started:6.0f}s] counting ops", flush=True)
         counts = harness.op_counts(count_workload)
 
-    if settings["memory"]:
+    if settings["memory"] and gpus:
+        memory_note = (
+            "GPU memory, in MiB, from TensorFlow's allocator on GPU:0 in the timing process "
+            "(memory growth on): \"above resident\" is the allocator's peak during "
+            f"{settings['memory_steps']} more steps of the configuration, reset just before "
+            "them, minus what was allocated then (every model built so far: their weights "
+            "and optimizer state), so it is what one step needs on top (activations, "
+            "gradients, the optimizer's temporaries); \"resident\" is what building and "
+            "warming up this configuration left allocated."
+        )
+    elif settings["memory"]:
         print(f"[{time.perf_counter() - started:6.0f}s] memory: one child process per "
               "configuration, two at a time", flush=True)
         jobs = [(workload, config) for workload in workloads for config in configs]
@@ -142,7 +191,10 @@ def main(argv=None):
         # children share the two cores well; peak RSS is per process anyway.
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             peaks = pool.map(
-                lambda job: harness.measure_memory(job[0], mode, job[1], steps=settings["memory_steps"]),
+                lambda job: harness.measure_memory(
+                    job[0], mode, job[1], steps=settings["memory_steps"],
+                    optimizer=settings["optimizer"],
+                ),
                 jobs,
             )
             for (workload, config), peak in zip(jobs, peaks):
@@ -177,6 +229,7 @@ def main(argv=None):
         counts=counts,
         memory_note=memory_note,
         chart_note=chart_note,
+        optimizer=settings["optimizer"],
     )
     with open(os.path.join(args.out, "report.md"), "w") as output:
         output.write(text)
@@ -207,8 +260,8 @@ def _plain_counts(value):
 def _memory_child(argv):
     from benchmarks import harness
 
-    workload, mode, config, jit, steps = argv
-    harness.memory_child(workload, mode, config, jit == "1", int(steps))
+    workload, mode, config, jit, steps, optimizer = argv
+    harness.memory_child(workload, mode, config, jit == "1", int(steps), optimizer)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Each workload builds the same functional graph for every configuration; only
 the model class (`keras.Model` or `kmp.Model`) and the global policy at build
-time differ.
+time differ. A full run on a GPU uses GPU-sized models (`GPU_WORKLOAD_NAMES`,
+`_GPU_SIZES`): a wide MLP, ResNet50 and a BERT-base-sized encoder.
 """
 
 import dataclasses
@@ -86,6 +87,18 @@ def _transformer_data(s, rng):
     return x, y
 
 
+def _resnet50(model_class, s):
+    # Built under the policy in force, like the others; re-wrapped so that the
+    # model class is the configuration's (keras.Model or kmp.Model).
+    base = keras.applications.ResNet50(
+        weights=None,
+        input_shape=(s["image"], s["image"], 3),
+        classes=s["classes"],
+        classifier_activation=None,
+    )
+    return model_class(base.inputs, base.outputs)
+
+
 def _many_variables(model_class, s):
     inputs = keras.Input((s["width"],))
     x = inputs
@@ -120,6 +133,13 @@ _SIZES = {
         "quick": dict(batch=16, seq=32, vocab=500, dim=64, heads=2, ff=128, blocks=1, classes=10),
         "smoke": dict(batch=4, seq=8, vocab=50, dim=16, heads=2, ff=16, blocks=1, classes=4),
     },
+    "resnet50": {
+        # Not in the CPU run by default (--workloads resnet50): 32x32 is the
+        # smallest input ResNet50 takes.
+        "full": dict(batch=16, image=64, classes=10),
+        "quick": dict(batch=8, image=32, classes=10),
+        "smoke": dict(batch=2, image=32, classes=4),
+    },
     "many_variables": {
         # 50 blocks = 100 Dense/LayerNorm layers (+ the output Dense), 202
         # variables. Tracing time grows with the layer count, so --quick
@@ -130,29 +150,47 @@ _SIZES = {
     },
 }
 
+# Full-run sizes on a GPU: large enough that the step is compute-bound there,
+# the shapes of common models. The quick and smoke runs keep their CPU sizes.
+_GPU_SIZES = {
+    "mlp": dict(batch=4096, features=1024, width=8192, layers=4, classes=1000),
+    "resnet50": dict(batch=128, image=224, classes=1000),
+    # BERT-base: 12 blocks, hidden 768, 12 heads, feed-forward 3072, seq 128.
+    "transformer": dict(batch=64, seq=128, vocab=30522, dim=768, heads=12, ff=3072,
+                        blocks=12, classes=2),
+    "convnet": dict(batch=256, image=32, filters=(64, 128, 256), classes=10),
+    "many_variables": dict(batch=256, width=256, blocks=50, classes=10),
+}
+
 _DEFINITIONS = {
     "mlp": ("dense MLP (compute-bound)", _mlp, _mlp_data),
     "convnet": ("convnet with BatchNorm", _convnet, _convnet_data),
     "transformer": ("Transformer encoder (attention + LayerNorm)", _transformer, _transformer_data),
     "many_variables": ("many small variables (Dense + LayerNorm blocks)", _many_variables, _many_variables_data),
+    "resnet50": ("ResNet50 (keras.applications, BatchNorm)", _resnet50, _convnet_data),
 }
 
-WORKLOAD_NAMES = tuple(_DEFINITIONS)
+# What a run covers unless `--workloads` says otherwise.
+WORKLOAD_NAMES = ("mlp", "convnet", "transformer", "many_variables")
+GPU_WORKLOAD_NAMES = ("mlp", "resnet50", "transformer")
+ALL_WORKLOAD_NAMES = tuple(_DEFINITIONS)
 
 
-def get_workload(name, mode):
+def get_workload(name, mode, gpu=False):
     """Returns the `Workload` called `name`, sized for `mode`.
 
     Args:
-        name: String. One of `WORKLOAD_NAMES`.
+        name: String. One of `ALL_WORKLOAD_NAMES`.
         mode: String. `"full"`, `"quick"` or `"smoke"`.
+        gpu: Bool. Whether the run is on a GPU: a full run there uses
+            GPU-sized models. Defaults to `False`.
 
     Raises:
         ValueError: if `name` or `mode` is unknown.
     """
     if name not in _DEFINITIONS:
         raise ValueError(
-            f"Unknown workload. `name` must be one of {', '.join(WORKLOAD_NAMES)}. "
+            f"Unknown workload. `name` must be one of {', '.join(ALL_WORKLOAD_NAMES)}. "
             f"Received: name={name!r}"
         )
     if mode not in _SIZES[name]:
@@ -160,4 +198,7 @@ def get_workload(name, mode):
             f"`mode` must be one of full, quick, smoke. Received: mode={mode!r}"
         )
     title, build, data = _DEFINITIONS[name]
-    return Workload(name, title, build, data, _SIZES[name][mode])
+    sizes = _GPU_SIZES[name] if gpu and mode == "full" else _SIZES[name][mode]
+    if gpu and mode == "full" and name == "transformer":
+        title = "BERT-base-sized Transformer encoder (attention + LayerNorm)"
+    return Workload(name, title, build, data, sizes)

@@ -1,4 +1,5 @@
-"""Test set-up: TensorFlow backend, two logical CPUs, and a clean policy per test."""
+"""Test set-up: TensorFlow backend, two logical CPUs, GPU memory growth, the
+`gpu` marker, and a clean policy per test."""
 
 import os
 
@@ -6,6 +7,14 @@ os.environ["KERAS_BACKEND"] = "tensorflow"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
+
+# TensorFlow reserves nearly all of a GPU's memory in the first process that
+# touches it; a test's child process would then fail with "cudaSetDevice() on
+# GPU:0 failed. Status: out of memory". Growth allocates only what is used.
+# Like the CPU split below, it must be set before devices initialize.
+GPUS = tf.config.list_physical_devices("GPU")
+for _gpu in GPUS:
+    tf.config.experimental.set_memory_growth(_gpu, True)
 
 # Two logical CPU devices let tf.distribute.MirroredStrategy run two replicas
 # here; this must happen before TensorFlow initializes its devices.
@@ -18,6 +27,15 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 import kmp  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPUS:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU: tf.config.list_physical_devices('GPU') is empty")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kmp
+from _helpers import child_env
 from kmp import checkpoint as checkpoint_module
 
 # A training run in its own process, so that it can be killed by a real
@@ -140,11 +141,9 @@ def _start(tmp_path, name, *args):
     dump = tmp_path / name
     dump.mkdir()
     marker = tmp_path / f"{name}.paused"
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    repository = os.path.dirname(os.path.dirname(os.path.abspath(kmp.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(
-        path for path in (repository, env.get("PYTHONPATH")) if path
-    )
+    # On the CPU: runs compared with each other bit for bit must run the same
+    # kernels, and none needs a GPU.
+    env = child_env(gpu=False)
     process = subprocess.Popen(
         [
             sys.executable,

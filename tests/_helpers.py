@@ -1,0 +1,121 @@
+"""Helpers the tests share: child-process environments and float16 tolerances.
+
+Imported as `from _helpers import ...`: pytest puts `tests/` on `sys.path`
+because `tests/conftest.py` lives there and `tests/` is not a package.
+"""
+
+import os
+
+import numpy as np
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The spacing of floats just above 1.0 (2**-mantissa bits): the relative step
+# between neighbouring values, twice the largest error of one rounding.
+# numpy has no bfloat16, hence the table.
+EPSILON = {
+    "float16": float(np.finfo(np.float16).eps),  # 2**-10
+    "bfloat16": 2.0**-7,
+    "float32": float(np.finfo(np.float32).eps),  # 2**-23
+    # What float32 matmuls and convolutions round their inputs to on NVIDIA
+    # GPUs from Ampere on, where TensorFlow enables TF32 by default.
+    "tensorfloat32": 2.0**-10,
+}
+
+
+def float32_compute_dtype():
+    """`"tensorfloat32"` where float32 matmuls run in TF32 (a GPU, TF32 on),
+    else `"float32"`: what float32 results of two engines differ by."""
+    import tensorflow as tf
+
+    if (
+        tf.config.list_physical_devices("GPU")
+        and tf.config.experimental.tensor_float_32_execution_enabled()
+    ):
+        return "tensorfloat32"
+    return "float32"
+
+
+def child_env(*, gpu=False, kmp_importable=True):
+    """The environment for a child Python process that a test starts.
+
+    The parent's environment is kept (on the GPU machine PYTHONPATH carries
+    TensorFlow itself, so dropping it loses TensorFlow), with the repository
+    root first on PYTHONPATH so the child imports this checkout's `kmp`.
+
+    Args:
+        gpu: Bool. Whether the child may use a GPU. `False` hides every GPU
+            (`CUDA_VISIBLE_DEVICES=""`): the child runs on the CPU, and two
+            children compared with each other run the same kernels. `True`
+            lets it share the GPU with the test process, which then must not
+            reserve all its memory (`conftest.py` turns on memory growth;
+            `TF_FORCE_GPU_ALLOW_GROWTH` does the same in the child). Defaults
+            to `False`.
+        kmp_importable: Bool. `False` removes the repository root from
+            PYTHONPATH instead of adding it (the child must also not start in
+            the repository, and should block `import kmp` itself, as an
+            editable install of another checkout may provide it). Defaults to
+            `True`.
+
+    Returns:
+        A dict for `subprocess.run(..., env=...)`.
+    """
+    env = dict(os.environ)
+    env["KERAS_BACKEND"] = "tensorflow"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    entries = [
+        entry
+        for entry in env.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and os.path.realpath(entry) != os.path.realpath(REPOSITORY)
+    ]
+    if kmp_importable:
+        entries.insert(0, REPOSITORY)
+    env["PYTHONPATH"] = os.pathsep.join(entries)
+    if gpu:
+        env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def float16_tolerance(expected, *, roundings, dtype="float16"):
+    """`(rtol, atol)` for values that went through `roundings` roundings to `dtype`.
+
+    One rounding moves a value by at most half a step, `eps / 2` relative to
+    it. Two execution engines (XLA against TensorFlow's kernels, a GPU against
+    a CPU, TFLite) round at different points: each may keep an intermediate
+    in float32 where the other rounds it, or sum in another order. So each
+    value can differ by up to `roundings` steps of its own size (`rtol`), and
+    by `roundings` steps of the largest value compared (`atol`), because an
+    output near zero is a sum or difference of larger terms and carries their
+    absolute error, not one relative to itself.
+
+    Args:
+        expected: Array-like. The reference values.
+        roundings: Int. How many roundings the two results may differ by
+            (about `roundings_per_layer * layers`; state it at the call).
+        dtype: String. The 16-bit compute dtype. Defaults to `"float16"`.
+
+    Returns:
+        Dict with `rtol` and `atol`, for `np.testing.assert_allclose`.
+    """
+    eps = EPSILON[dtype]
+    scale = float(np.max(np.abs(np.asarray(expected, dtype=np.float64)), initial=0.0))
+    return dict(rtol=roundings * eps, atol=roundings * eps * max(scale, np.finfo(np.float32).tiny))
+
+
+def assert_close_to_float16_rounding(actual, expected, *, roundings, dtype="float16"):
+    """Asserts `actual` matches `expected` within `roundings` roundings to `dtype`.
+
+    For outputs of the same model run by two execution engines, where bit
+    equality is not to be expected (see `float16_tolerance`). Where the very
+    same kernels run (weights saved and restored, one engine twice), compare
+    exactly instead.
+    """
+    tolerance = float16_tolerance(expected, roundings=roundings, dtype=dtype)
+    np.testing.assert_allclose(
+        np.asarray(actual, dtype=np.float64),
+        np.asarray(expected, dtype=np.float64),
+        err_msg=f"more than {roundings} {dtype} roundings apart",
+        **tolerance,
+    )

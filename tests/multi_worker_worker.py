@@ -65,7 +65,7 @@ def build_model():
             growth_interval=GROWTH_INTERVAL,
         ),
         "mse",
-        steps_per_execution=2,
+        steps_per_execution=4,
     )
     return model
 

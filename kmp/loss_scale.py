@@ -9,6 +9,7 @@ One order of operations, here and nowhere else:
 import collections
 import math
 import numbers
+import threading
 
 import keras
 import tensorflow as tf
@@ -236,6 +237,31 @@ def _check_integer(name, value, minimum):
         raise ValueError(
             f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
         )
+
+
+def _can_skip_inner_all_reduce(inner_optimizer):
+    """Whether `inner_optimizer`'s own all-reduce can be turned off (see
+    `LossScaleOptimizer._apply_inner`): Keras' TensorFlow optimizers do it in
+    `_all_reduce_sum_gradients`. Should Keras rename it, kmp falls back to
+    dividing the summed gradients by the number of replicas."""
+    return callable(getattr(type(inner_optimizer), "_all_reduce_sum_gradients", None))
+
+
+_gradients_already_reduced = threading.local()
+
+
+def _install_all_reduce_switch(inner_optimizer):
+    """Makes `inner_optimizer` skip its all-reduce while kmp applies with it."""
+    if "_all_reduce_sum_gradients" in vars(inner_optimizer):
+        return
+    keras_all_reduce = inner_optimizer._all_reduce_sum_gradients
+
+    def all_reduce_sum_gradients(grads_and_vars):
+        if getattr(_gradients_already_reduced, "active", False):
+            return list(grads_and_vars)
+        return keras_all_reduce(grads_and_vars)
+
+    inner_optimizer._all_reduce_sum_gradients = all_reduce_sum_gradients
 
 
 def _resolve_inner_optimizer(inner_optimizer):
@@ -522,7 +548,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         ops.cond(
             finite,
-            lambda: self.inner_optimizer.apply(grads, trainable_variables),
+            lambda: self._apply_inner(grads, trainable_variables),
             lambda: None,
         )
         self._update_state(finite, nonfinite_gradients, loss_finite)
@@ -580,7 +606,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             clipnorm=self.clipnorm,
             global_clipnorm=self.global_clipnorm,
         )
-        if num_replicas > 1:
+        if num_replicas > 1 and not _can_skip_inner_all_reduce(self.inner_optimizer):
             # The inner optimizer sums over replicas again.
             grads = [_map_gradient(lambda t: t / num_replicas, g) for g in grads]
         return grads, finite, nonfinite_gradients, loss_finite
@@ -604,11 +630,33 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         def apply_on_each_replica():
             distribution.extended.call_for_each_replica(
-                self.inner_optimizer.apply, args=(grads, trainable_variables)
+                self._apply_inner, args=(grads, trainable_variables)
             )
 
         ops.cond(finite, apply_on_each_replica, lambda: None)
         self._update_state(finite, nonfinite_gradients, loss_finite)
+
+    def _apply_inner(self, grads, trainable_variables):
+        """`inner_optimizer.apply` on gradients already summed over replicas.
+
+        Keras' TensorFlow optimizers all-reduce the gradients in `apply`; kmp
+        has done so already (the skip decision needs the sum), so that second
+        all-reduce would only cost a round trip. It is turned off for this
+        call where Keras allows it (see `_can_skip_inner_all_reduce`);
+        otherwise `_unscale_check_clip` divides by the number of replicas so
+        that the second sum gives the same gradients.
+        """
+        inner = self.inner_optimizer
+        if not _can_skip_inner_all_reduce(inner):
+            inner.apply(grads, trainable_variables)
+            return
+        _install_all_reduce_switch(inner)
+        # Thread-local: MirroredStrategy traces each replica in its own thread.
+        _gradients_already_reduced.active = True
+        try:
+            inner.apply(grads, trainable_variables)
+        finally:
+            _gradients_already_reduced.active = False
 
     def _nonfinite_gradient_flags(self, finite_flags, trainable_variables):
         """Int32 vector: 1 at the index of each variable whose gradient is not finite.

@@ -327,3 +327,57 @@ def test_jit_and_steps_per_execution_under_mirrored_strategy(
     assert history["skipped_steps"] == [len(_OVERFLOW_STEPS)]
     assert history["loss_scale"] == [_expected_loss_scale()]
     assert int(model.optimizer.iterations.numpy()) == _STEPS - len(_OVERFLOW_STEPS)
+
+
+def test_one_gradient_all_reduce_per_step_like_keras(mirrored_strategy, monkeypatch):
+    # The skip decision rides on the gradients' all-reduce: kmp's step makes
+    # no more all-reduce calls than Keras' own LossScaleOptimizer's step.
+    calls = []
+    keras_all_reduce = tf.distribute.ReplicaContext.all_reduce
+
+    def counting_all_reduce(self, reduce_op, value, options=None):
+        calls.append(len(tf.nest.flatten(value)))
+        return keras_all_reduce(self, reduce_op, value, options)
+
+    monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", counting_all_reduce)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    counts = {}
+    for api in ("keras", "kmp"):
+        calls.clear()
+        with mirrored_strategy.scope():
+            inputs = keras.Input((4,))
+            outputs = keras.layers.Dense(1, dtype="mixed_float16")(inputs)
+            if api == "kmp":
+                model = kmp.Model(inputs, outputs)
+                model.compile("adam", "mse", loss_scale="dynamic")
+            else:
+                outputs = keras.layers.Activation("linear", dtype="float32")(outputs)
+                model = keras.Model(inputs, outputs)
+                model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "mse")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        counts[api] = list(calls)
+    # One call per replica per trace; kmp's carries one more tensor (the
+    # loss's finite flag) than the two gradients.
+    assert len(counts["kmp"]) == len(counts["keras"]) > 0
+    assert set(counts["keras"]) == {2} and set(counts["kmp"]) == {3}
+
+
+def test_distributed_benchmark_runs(tmp_path):
+    # How fast is not tested here (see README "Scaling out"), only that the
+    # benchmark runs and compares the two loss scalers it names.
+    out = tmp_path / "distributed.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.distributed", "--smoke", "--json", str(out)],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert set(results["steps_per_s"]) == {"keras", "kmp"}
+    assert results["settings"]["replicas"] == 2
+    assert "kmp / keras:" in result.stdout

@@ -381,3 +381,20 @@ def test_distributed_benchmark_runs(tmp_path):
     assert set(results["steps_per_s"]) == {"keras", "kmp"}
     assert results["settings"]["replicas"] == 2
     assert "kmp / keras:" in result.stdout
+
+
+def test_multi_worker_example_runs_two_identical_workers():
+    script = _ROOT / "examples" / "multi_worker.py"
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    result = subprocess.run(
+        [sys.executable, str(script), "--steps-per-epoch", "4", "--timeout", "200"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("worker "))
+    assert len(lines) == 2
+    # Identical past the worker's index: loss, scale, skips, weights checksum.
+    assert lines[0].split(":", 1)[1] == lines[1].split(":", 1)[1]

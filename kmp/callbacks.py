@@ -158,6 +158,31 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
             )
 
 
+def _has_monitor(callbacks):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return any(
+        isinstance(c, LossScaleMonitor)
+        for c in (tree.flatten(callbacks) if callbacks else [])
+    )
+
+
+def _watch_optimizer(model, monitored):
+    """Turns the optimizer's per-step monitor outputs on or off.
+
+    A step records which variables overflowed, and `kmp.Model` returns the
+    monitor's values with its logs, only while a `LossScaleMonitor` watches:
+    without one, a step does no more than the scaling itself. A change
+    retraces the train function.
+    """
+    optimizer = _scaling_optimizer(model)
+    if optimizer is None or optimizer._monitored == monitored:
+        return
+    optimizer._monitored = monitored
+    if getattr(model, "train_function", None) is not None:
+        model.make_train_function(force=True)
+
+
 def _with_readable_progbar(callbacks, verbose):
     """The callbacks `kmp.Model.fit` passes on: kmp's progress bar added.
 
@@ -169,8 +194,7 @@ def _with_readable_progbar(callbacks, verbose):
     callbacks = list(tree.flatten(callbacks)) if callbacks else []
     if any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
         return callbacks
-    monitored = any(isinstance(c, LossScaleMonitor) for c in callbacks)
-    return callbacks + [_ProgbarLogger(report_skips=not monitored)]
+    return callbacks + [_ProgbarLogger(report_skips=not _has_monitor(callbacks))]
 
 
 def _check_path(name, value):
@@ -225,7 +249,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     the optimizer finds them on the device, with one `isfinite` reduction per
     gradient, and only on skipped steps.
 
-    Cost: about 20 microseconds of Python per step, plus what any Keras
+    Cost: only while a monitor is attached does the train step record which
+    variables overflowed and return the monitor's values (attaching or
+    removing one retraces the step once); without one, a step does the
+    scaling and nothing more. With it, about 20 microseconds of Python per
+    step, plus what any Keras
     callback with a per-batch hook costs: `fit` waits for each step's (or
     execution's) logs instead of dispatching callbacks in a background
     thread. On an accelerator, `steps_per_execution > 1` amortizes that wait.
@@ -409,6 +437,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
                     "so no step can be skipped; nothing to monitor."
                 )
             return
+        # kmp.Model.fit has done this already; for a plain keras.Model
+        # whose optimizer is kmp's, it retraces the step Keras built.
+        _watch_optimizer(self.model, True)
         # Filled in on the first skip: the optimizer may not be built yet.
         self._names = []
         self._last = tuple(_read_counters(self._optimizer)[:3].tolist())  # step, skipped, forward

@@ -2,8 +2,12 @@
 
 One order of operations, here and nowhere else:
 
-    scale loss -> gradients -> unscale -> finite check -> clip the unscaled
+    scale loss -> gradients -> finite check -> unscale -> clip the unscaled
     gradients -> apply or skip -> update the scale
+
+(The finite check reads the scaled gradients: for a scale >= 1 dividing by
+it cannot change which values are finite. With `min_scale < 1` the gradients
+are unscaled first.)
 """
 
 import collections
@@ -117,6 +121,18 @@ def update_loss_scale(
         ops.cast(hysteresis_left, state.hysteresis_left.dtype),
         skipped_steps,
     )
+
+
+# The layout of `LossScaleOptimizer`'s int64 counter vector. From
+# "skipped_steps" on, the order is the one `_monitor_state` hands the monitor.
+_COUNTERS = (
+    "good_steps",
+    "hysteresis_left",
+    "skipped_steps",
+    "forward_overflows",
+    "consecutive_skips",
+    "consecutive_forward_overflows",
+)
 
 
 def _map_gradient(fn, gradient):
@@ -295,15 +311,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     ```
     grads = all_reduce_sum(grads)            # under a tf.distribute strategy
-    grads = grads / loss_scale               # unscale
-    finite = all(isfinite(g) for g in grads) # same answer on every replica
+    finite = all(isfinite(g) for g in grads) # on the scaled gradients: same
+                                             # answer as on unscaled ones for a
+                                             # scale >= 1, and on every replica
     if finite:
+        grads = grads / loss_scale           # unscale
         grads = clip(grads)                  # clipvalue, then clipnorm or
                                              # global_clipnorm, on unscaled grads
         inner_optimizer.apply(grads)         # updates weights, slots, iterations
     # else: weights, slots and iterations are left exactly as they were
     state = update_loss_scale(state, finite) # see `kmp.loss_scale.update_loss_scale`
     ```
+
+    One finite check and one division per gradient, as Keras'
+    LossScaleOptimizer; the division happens only on a step that is applied.
+    With `min_scale < 1` the gradients are unscaled before the check (a
+    division by less than 1 can overflow). The scale and every counter are
+    a float32 variable and one int64 vector variable: checkpoints and
+    `.keras` files carry them, and nothing kmp adds lives in host memory on
+    a GPU.
 
     With `dynamic=True` the scale follows the Megatron-LM rule: after
     `hysteresis` consecutive non-finite steps it is multiplied by
@@ -424,34 +450,42 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.clipnorm = clipnorm
         self.global_clipnorm = global_clipnorm
         self.clipvalue = clipvalue
+        # Set while a kmp.callbacks.LossScaleMonitor watches training: only
+        # then does a traced step record which variables overflowed.
+        self._monitored = False
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
-        def state_variable(name, dtype, value):
-            # Every replica computes the same value, so any replica's will do.
-            return self.add_variable(
-                shape=(),
-                dtype=dtype,
-                initializer=keras.initializers.Constant(value),
-                aggregation="only_first_replica",
-                name=name,
-            )
-
-        self._loss_scale = state_variable("loss_scale", "float32", self.initial_scale)
-        self._good_steps = state_variable("good_steps", "int64", 0)
-        self._hysteresis_left = state_variable("hysteresis_left", "int64", self.hysteresis)
-        self._skipped_steps = state_variable("skipped_steps", "int64", 0)
-        # Diagnostics for kmp.callbacks.LossScaleMonitor. They live on the
-        # device so that counting stays exact when one call to the train
-        # function runs several steps (steps_per_execution > 1).
-        self._consecutive_skips = state_variable("consecutive_skips", "int64", 0)
-        self._forward_overflows = state_variable("forward_overflows", "int64", 0)
-        self._consecutive_forward_overflows = state_variable(
-            "consecutive_forward_overflows", "int64", 0
+        # Every replica computes the same values, so any replica's will do.
+        # Only float32 and int64 variables: TensorFlow keeps int32 resource
+        # variables in host memory on a GPU, where an XLA cluster cannot read
+        # them.
+        self._loss_scale = self.add_variable(
+            shape=(),
+            dtype="float32",
+            initializer=keras.initializers.Constant(self.initial_scale),
+            aggregation="only_first_replica",
+            name="loss_scale",
         )
+        # All the step's counters in one vector (see `_COUNTERS`): one read
+        # and one write per step. Besides the scaling rule's own state, the
+        # diagnostics kmp.callbacks.LossScaleMonitor reads; they are counted
+        # on the device so that they stay exact when one call to the train
+        # function runs several steps (steps_per_execution > 1).
+        initial_counters = [0] * len(_COUNTERS)
+        initial_counters[_COUNTERS.index("hysteresis_left")] = self.hysteresis
+        self._counters = self.add_variable(
+            shape=(len(_COUNTERS),),
+            dtype="int64",
+            initializer=keras.initializers.Constant(initial_counters),
+            aggregation="only_first_replica",
+            name="counters",
+        )
+        # 1 for each variable whose gradient overflowed at the latest
+        # backward overflow; written only while a monitor asks for it.
         self._nonfinite_gradients = self.add_variable(
             shape=(len(var_list),),
-            dtype="int32",
+            dtype="int64",
             initializer="zeros",
             aggregation="only_first_replica",
             name="nonfinite_gradients",
@@ -471,9 +505,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @property
     def skipped_steps(self):
         """Integer scalar: how many steps were skipped in total."""
+        return self._counter("skipped_steps")
+
+    def _counter(self, name):
         if not self.built:
-            return ops.convert_to_tensor(0, "int64")
-        return tf.identity(self._skipped_steps.value)
+            initial = self.hysteresis if name == "hysteresis_left" else 0
+            return ops.convert_to_tensor(initial, "int64")
+        return self._counters.value[_COUNTERS.index(name)]
+
+    _good_steps = property(lambda self: self._counter("good_steps"))
+    _hysteresis_left = property(lambda self: self._counter("hysteresis_left"))
+    _forward_overflows = property(lambda self: self._counter("forward_overflows"))
 
     @property
     def dynamic_scale(self):
@@ -484,11 +526,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def iterations(self):
         """The inner optimizer's step count: applied steps only."""
         return self.inner_optimizer.iterations
-
-    def _state(self):
-        return LossScaleState(
-            self._loss_scale, self._good_steps, self._hysteresis_left, self._skipped_steps
-        )
 
     # -- the step ------------------------------------------------------------
 
@@ -508,7 +545,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.iterations
 
     def apply(self, grads, trainable_variables=None, *, loss=None):
-        """Unscales, checks, clips and applies `grads`, or skips the step.
+        """Checks `grads`, then unscales, clips and applies them, or skips the step.
 
         Args:
             grads: List of **scaled** gradients, as computed from
@@ -543,23 +580,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self._apply_cross_replica, args=(grads, trainable_variables, loss)
             )
             return
-        grads, finite, nonfinite_gradients, loss_finite = self._unscale_check_clip(
+        grads, unscaled, finite, loss_finite, nonfinite_gradients = self._check(
             grads, trainable_variables, loss
         )
         ops.cond(
             finite,
-            lambda: self._apply_inner(grads, trainable_variables),
+            lambda: self._apply_inner(
+                self._unscale_and_clip(grads, trainable_variables, unscaled),
+                trainable_variables,
+            ),
             lambda: None,
         )
-        self._update_state(finite, nonfinite_gradients, loss_finite)
+        self._update_state(finite, loss_finite, nonfinite_gradients)
 
-    def _unscale_check_clip(self, grads, trainable_variables, loss=None):
-        """Per replica: reduce, unscale, check, clip.
+    def _check(self, grads, trainable_variables, loss=None):
+        """Per replica: reduce over replicas, then decide whether to apply.
 
-        Returns `(grads, finite, nonfinite_gradients, loss_finite)`:
-        `nonfinite_gradients` is an int32 vector with a 1 for each of the
-        optimizer's variables whose gradient is not finite, `loss_finite`
-        whether `loss` is finite on every replica (`True` without a loss).
+        Returns `(grads, unscaled, finite, loss_finite, nonfinite_gradients)`:
+        the (reduced) gradients, whether they are already unscaled, whether
+        all are finite, whether `loss` is finite on every replica (`True`
+        without a loss), and, only while a monitor asks for it
+        (`_monitored`), an int64 vector with a 1 for each of the optimizer's
+        variables whose gradient is not finite (else `None`).
         """
         num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         loss_nonfinite = None
@@ -584,57 +626,93 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if loss_nonfinite is None
             else ops.equal(loss_nonfinite, 0.0)
         )
-        scale = self.loss_scale
-        grads = [
+        # Dividing by a scale >= 1 cannot turn a finite value into inf or
+        # NaN, nor the reverse: the scaled gradients decide, and unscaling
+        # waits for the branch that applies them (as Keras does: no unscaled
+        # copy of every gradient outside it). A scale below 1 could overflow
+        # while unscaling, so then the unscaled gradients decide.
+        unscaled = self.min_scale < 1.0
+        if unscaled:
+            grads = self._unscale(grads, trainable_variables)
+        finite_flags = _finite_flags(grads)
+        finite = _all_true(finite_flags)
+        nonfinite_gradients = None
+        if self._monitored:
+            # Which variables overflowed, for the monitor: assembled from the
+            # decision's own per-gradient flags, only on skipped steps.
+            nonfinite_gradients = ops.cond(
+                finite,
+                lambda: ops.zeros((len(self._trainable_variables),), "int64"),
+                lambda: self._nonfinite_gradient_flags(
+                    finite_flags, trainable_variables
+                ),
+            )
+        return grads, unscaled, finite, loss_finite, nonfinite_gradients
+
+    def _unscale(self, grads, trainable_variables, divisor=1):
+        scale = self._loss_scale * divisor
+        return [
             g
             if self._overwrite_variable_with_gradient(v)
             else _map_gradient(lambda t: t / ops.cast(scale, t.dtype), g)
             for g, v in zip(grads, trainable_variables)
         ]
-        finite_flags = _finite_flags(grads)
-        finite = _all_true(finite_flags)
-        # Which variables overflowed, for the monitor: assembled from the
-        # decision's own per-gradient flags, only on skipped steps.
-        nonfinite_gradients = ops.cond(
-            finite,
-            lambda: ops.zeros((len(self._trainable_variables),), "int32"),
-            lambda: self._nonfinite_gradient_flags(finite_flags, trainable_variables),
-        )
+
+    def _unscale_and_clip(self, grads, trainable_variables, unscaled=False):
+        """The gradients the inner optimizer applies, computed in its branch."""
+        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        if _can_skip_inner_all_reduce(self.inner_optimizer):
+            # The inner optimizer will not sum over replicas again (see
+            # `_apply_inner`): the reduced gradients are its gradients.
+            num_replicas = 1
+        clipping = (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None,) * 3
+        if not unscaled:
+            # Without clipping, one division unscales and, where the inner
+            # optimizer sums over replicas again, averages over them.
+            divisor = 1 if clipping else num_replicas
+            grads = self._unscale(grads, trainable_variables, divisor)
+            if not clipping:
+                return grads
         grads = clip_gradients(
             grads,
             clipvalue=self.clipvalue,
             clipnorm=self.clipnorm,
             global_clipnorm=self.global_clipnorm,
         )
-        if num_replicas > 1 and not _can_skip_inner_all_reduce(self.inner_optimizer):
-            # The inner optimizer sums over replicas again.
+        if num_replicas > 1:
             grads = [_map_gradient(lambda t: t / num_replicas, g) for g in grads]
-        return grads, finite, nonfinite_gradients, loss_finite
+        return grads
 
     def _apply_cross_replica(self, distribution, grads, trainable_variables, loss=None):
         # A strategy that needs merge_call cannot run a cond whose branch calls
         # merge_call (the inner optimizer's apply does) in a replica context:
         # decide here, in the cross-replica context, as Keras does.
-        grads, finite_per_replica, nonfinite_per_replica, loss_finite_per_replica = (
+        grads, unscaled, finite_per_replica, loss_finite_per_replica, nonfinite = (
             distribution.extended.call_for_each_replica(
-                self._unscale_check_clip, args=(grads, trainable_variables, loss)
+                self._check, args=(grads, trainable_variables, loss)
             )
         )
         # Every replica checked the same all-reduced gradients.
-        finite, nonfinite_gradients, loss_finite = (
+        finite, loss_finite = (
             distribution.experimental_local_results(per_replica)[0]
-            for per_replica in (
-                finite_per_replica, nonfinite_per_replica, loss_finite_per_replica
-            )
+            for per_replica in (finite_per_replica, loss_finite_per_replica)
         )
+        if nonfinite is not None:
+            nonfinite = distribution.experimental_local_results(nonfinite)[0]
 
         def apply_on_each_replica():
+            def apply_on_replica(grads, trainable_variables):
+                self._apply_inner(
+                    self._unscale_and_clip(grads, trainable_variables, unscaled),
+                    trainable_variables,
+                )
+
             distribution.extended.call_for_each_replica(
-                self._apply_inner, args=(grads, trainable_variables)
+                apply_on_replica, args=(grads, trainable_variables)
             )
 
         ops.cond(finite, apply_on_each_replica, lambda: None)
-        self._update_state(finite, nonfinite_gradients, loss_finite)
+        self._update_state(finite, loss_finite, nonfinite)
 
     def _apply_inner(self, grads, trainable_variables):
         """`inner_optimizer.apply` on gradients already summed over replicas.
@@ -643,7 +721,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         has done so already (the skip decision needs the sum), so that second
         all-reduce would only cost a round trip. It is turned off for this
         call where Keras allows it (see `_can_skip_inner_all_reduce`);
-        otherwise `_unscale_check_clip` divides by the number of replicas so
+        otherwise `_unscale_and_clip` divides by the number of replicas so
         that the second sum gives the same gradients.
         """
         inner = self.inner_optimizer
@@ -659,25 +737,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             _gradients_already_reduced.active = False
 
     def _nonfinite_gradient_flags(self, finite_flags, trainable_variables):
-        """Int32 vector: 1 at the index of each variable whose gradient is not finite.
+        """Int64 vector: 1 at the index of each variable whose gradient is not finite.
 
         Built from `_finite_flags` (no second pass over the gradients) and
         indexed like the variables the optimizer was built with, so the
         monitor can name them; variables without a gradient count as finite.
         """
-        flags = [ops.convert_to_tensor(0, "int32")] * len(self._trainable_variables)
+        flags = [ops.convert_to_tensor(0, "int64")] * len(self._trainable_variables)
         for finite, variable in zip(finite_flags, trainable_variables):
             if finite is not None:
                 flags[self._get_variable_index(variable)] = ops.cast(
-                    ops.logical_not(finite), "int32"
+                    ops.logical_not(finite), "int64"
                 )
         if not flags:
-            return ops.zeros((0,), "int32")
+            return ops.zeros((0,), "int64")
         return ops.stack(flags)
 
-    def _update_state(self, finite, nonfinite_gradients=None, loss_finite=True):
+    def _update_state(self, finite, loss_finite=True, nonfinite_gradients=None):
+        counters = dict(zip(_COUNTERS, ops.unstack(self._counters.value)))
         new_state = update_loss_scale(
-            self._state(),
+            LossScaleState(
+                self._loss_scale.value,
+                counters["good_steps"],
+                counters["hysteresis_left"],
+                counters["skipped_steps"],
+            ),
             finite,
             dynamic=self.dynamic,
             growth_factor=self.growth_factor,
@@ -687,19 +771,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             min_scale=self.min_scale,
             max_scale=self.max_scale,
         )
-        for variable, value in zip(self._state(), new_state):
-            variable.assign(value)
         skipped = ops.logical_not(ops.cast(finite, "bool"))
         # A forward overflow: the unscaled loss itself was not finite (broken
         # data or model; a lower scale cannot help). Any other skip is a
         # backward overflow: the scale was too high for the gradients.
         forward = ops.logical_and(skipped, ops.logical_not(loss_finite))
-        self._consecutive_skips.assign(
-            ops.where(skipped, self._consecutive_skips + 1, 0)
+        counters.update(
+            good_steps=new_state.good_steps,
+            hysteresis_left=new_state.hysteresis_left,
+            skipped_steps=new_state.skipped_steps,
+            forward_overflows=counters["forward_overflows"] + ops.cast(forward, "int64"),
+            consecutive_skips=ops.where(skipped, counters["consecutive_skips"] + 1, 0),
+            consecutive_forward_overflows=ops.where(
+                forward, counters["consecutive_forward_overflows"] + 1, 0
+            ),
         )
-        self._forward_overflows.assign_add(ops.cast(forward, "int64"))
-        self._consecutive_forward_overflows.assign(
-            ops.where(forward, self._consecutive_forward_overflows + 1, 0)
+        self._loss_scale.assign(new_state.loss_scale)
+        self._counters.assign(
+            ops.stack([ops.cast(counters[name], "int64") for name in _COUNTERS])
         )
         if nonfinite_gradients is not None:
             # Kept from the latest backward overflow, so that with
@@ -720,19 +809,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `(counters, nonfinite_gradients)`: an int64 vector `[step,
             skipped_steps, forward_overflows, consecutive_skips,
             consecutive_forward_overflows]` (`step` counts applied and skipped
-            steps), and the int32 per-variable flags of the latest backward
+            steps), and the int64 per-variable flags of the latest backward
             overflow.
         """
-        counters = ops.stack(
-            [
-                ops.cast(self.iterations, "int64") + self._skipped_steps.value,
-                self._skipped_steps.value,
-                self._forward_overflows.value,
-                self._consecutive_skips.value,
-                self._consecutive_forward_overflows.value,
-            ]
-        )
-        return counters, tf.identity(self._nonfinite_gradients.value)
+        counters = self._counters.value
+        skipped = _COUNTERS.index("skipped_steps")
+        step = ops.cast(self.iterations, "int64") + counters[skipped]
+        monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:]])
+        return monitored, tf.identity(self._nonfinite_gradients.value)
 
     # -- serialization -------------------------------------------------------
 

@@ -272,13 +272,18 @@ class Model(keras.Model):
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs["loss_scale"] = optimizer.loss_scale
         logs["skipped_steps"] = optimizer.skipped_steps
-        if trainable_weights and self.distribute_strategy.num_replicas_in_sync == 1:
-            # For kmp.callbacks.LossScaleMonitor: returned with the step's
-            # outputs (no extra device round trip), then taken out of the logs
-            # by `make_train_function` before any callback sees them. Not
-            # with several replicas: Keras would all-reduce each of them, and
-            # collectives of different shapes can be ordered differently on
-            # each replica; the monitor reads the optimizer instead.
+        if (
+            optimizer._monitored
+            and trainable_weights
+            and self.distribute_strategy.num_replicas_in_sync == 1
+        ):
+            # For kmp.callbacks.LossScaleMonitor, and only while one watches:
+            # returned with the step's outputs (no extra device round trip),
+            # then taken out of the logs by `make_train_function` before any
+            # callback sees them. Not with several replicas: Keras would
+            # all-reduce each of them, and collectives of different shapes
+            # can be ordered differently on each replica; the monitor reads
+            # the optimizer instead.
             counters, nonfinite_gradients = optimizer._monitor_state()
             logs[_MONITOR_LOG_PREFIX + "counters"] = counters
             logs[_MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
@@ -367,6 +372,7 @@ class Model(keras.Model):
         # Imported here: kmp.callbacks is optional for everything else.
         from kmp import callbacks as kmp_callbacks
 
+        kmp_callbacks._watch_optimizer(self, kmp_callbacks._has_monitor(callbacks))
         callbacks = kmp_callbacks._with_readable_progbar(callbacks, verbose)
         return super().fit(
             x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs

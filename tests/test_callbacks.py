@@ -394,3 +394,27 @@ def test_steps_processed_in_batches_mid_epoch(tmp_path, monkeypatch):
     assert monitor.stopped_step == 6
     assert "gate/trouble" in monitor.stop_message
     assert monitor.epoch_summaries[0]["skipped"] == 3
+
+
+def test_step_records_overflowing_variables_only_while_monitored(tmp_path):
+    model = _model()
+    optimizer = model.optimizer
+    flags = lambda: np.asarray(optimizer._nonfinite_gradients).tolist()  # noqa: E731
+
+    _fit(model, _data(3, backward=(2,)))
+    gate_index = [v.path for v in optimizer._trainable_variables].index("gate/trouble")
+    # Without a monitor the step neither records where it overflowed nor
+    # returns the monitor's values: it does the scaling and nothing more.
+    assert int(optimizer.skipped_steps) == 1 and not optimizer._monitored
+    assert flags() == [0] * len(flags())
+    assert not getattr(model, "_kmp_monitor_logs", None)
+
+    monitor = kmp.callbacks.LossScaleMonitor(csv_path=tmp_path / "s.csv", verbose=0, warn_skip_rate=None)
+    _fit(model, _data(3, backward=(2,)), callbacks=[monitor])
+    assert optimizer._monitored and flags()[gate_index] == 1 and sum(flags()) == 1
+    assert _rows(tmp_path / "s.csv")[1]["nonfinite_variables"] == "gate/trouble"
+    assert set(model._kmp_monitor_logs) == {"counters", "nonfinite_gradients", "loss"}
+
+    _fit(model, _data(2))  # the monitor is gone: the step is retraced without it
+    assert not optimizer._monitored and model._kmp_monitor_logs == {}
+    assert int(optimizer.skipped_steps) == 2 and int(optimizer.iterations) == 6

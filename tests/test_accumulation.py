@@ -106,3 +106,28 @@ def test_accumulators_stay_finite_mid_window():
 def test_clipping_with_accumulation_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="Set `clipnorm`, `global_clipnorm` or `clipvalue` on the inner"):
         _fit(True, _data(), global_clipnorm=1.0)
+
+
+def test_accumulation_under_mirrored_strategy(mirrored_strategy):
+    # Only where Keras' own accumulation trains a float32 keras.Model: with
+    # MirroredStrategy on CPUs (merge_call) its optimizer's cond around
+    # merge_call fails (TF 2.21, Keras 3.15).
+    with mirrored_strategy.scope():
+        inputs = keras.Input((4,))
+        plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        plain.compile(keras.optimizers.SGD(gradient_accumulation_steps=2), "mse")
+    try:
+        plain.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"),
+                  batch_size=8, verbose=0)
+    except RuntimeError as error:
+        pytest.skip(
+            "Keras' own gradient accumulation fails under MirroredStrategy here: "
+            + next(line for line in str(error).splitlines() if "merge_call" in line)[:160]
+        )
+    data = _data((9,))
+    with mirrored_strategy.scope():
+        distributed, scales = _fit(True, data)
+    single, single_scales = _fit(True, data)
+    assert scales == single_scales
+    assert int(distributed.optimizer.skipped_steps) == 1
+    _assert_same_training(distributed, single)

@@ -13,6 +13,7 @@ are unscaled first.)
 import collections
 import math
 import numbers
+import threading
 
 import keras
 import tensorflow as tf
@@ -254,6 +255,41 @@ def _check_integer(name, value, minimum):
         )
 
 
+def _zero_where(condition, gradients):
+    """`gradients`, with zeros in place of every value when `condition` is true."""
+    return [
+        None
+        if g is None
+        else _map_gradient(lambda t: ops.where(condition, ops.zeros_like(t), t), g)
+        for g in gradients
+    ]
+
+
+def _can_skip_inner_all_reduce(inner_optimizer):
+    """Whether `inner_optimizer`'s own all-reduce can be turned off (see
+    `LossScaleOptimizer._apply_inner`): Keras' TensorFlow optimizers do it in
+    `_all_reduce_sum_gradients`. Should Keras rename it, kmp falls back to
+    dividing the summed gradients by the number of replicas."""
+    return callable(getattr(type(inner_optimizer), "_all_reduce_sum_gradients", None))
+
+
+_gradients_already_reduced = threading.local()
+
+
+def _install_all_reduce_switch(inner_optimizer):
+    """Makes `inner_optimizer` skip its all-reduce while kmp applies with it."""
+    if "_all_reduce_sum_gradients" in vars(inner_optimizer):
+        return
+    keras_all_reduce = inner_optimizer._all_reduce_sum_gradients
+
+    def all_reduce_sum_gradients(grads_and_vars):
+        if getattr(_gradients_already_reduced, "active", False):
+            return list(grads_and_vars)
+        return keras_all_reduce(grads_and_vars)
+
+    inner_optimizer._all_reduce_sum_gradients = all_reduce_sum_gradients
+
+
 def _resolve_inner_optimizer(inner_optimizer):
     if isinstance(inner_optimizer, str):
         inner_optimizer = keras.optimizers.get(inner_optimizer)
@@ -311,6 +347,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `growth_factor`, always clamped to `[min_scale, max_scale]`. With
     `dynamic=False` the scale stays fixed but non-finite steps are still
     skipped and counted.
+
+    With an inner optimizer built with `gradient_accumulation_steps=n`, each
+    micro-batch's gradients are checked and unscaled before the inner
+    optimizer sums them; an overflow in any micro-batch discards the whole
+    accumulated step (counted once in `skipped_steps`, and no inf or NaN
+    enters the accumulators), and the scale changes only after a window's
+    last micro-batch (see `_accumulate`). Clip on the inner optimizer then.
 
     It is a subclass of `keras.optimizers.LossScaleOptimizer`, so Keras'
     `fit` on a plain `keras.Model` calls `scale_loss` and `apply_gradients`
@@ -464,6 +507,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             aggregation="only_first_replica",
             name="nonfinite_gradients",
         )
+        if self._accumulation_steps():
+            # Whether the current accumulation window has seen a non-finite
+            # gradient, and a non-finite loss (see `_accumulate`).
+            self._accumulation_window = self.add_variable(
+                shape=(2,),
+                dtype="int64",
+                initializer="zeros",
+                aggregation="only_first_replica",
+                name="accumulation_window",
+            )
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -557,9 +610,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads, unscaled, finite, loss_finite, nonfinite_gradients = self._check(
             grads, trainable_variables, loss
         )
+        if self._accumulation_steps():
+            self._accumulate(
+                finite,
+                loss_finite,
+                nonfinite_gradients,
+                lambda zero_out: self._apply_inner(
+                    self._unscale_and_clip(
+                        _zero_where(zero_out, grads), trainable_variables, unscaled
+                    ),
+                    trainable_variables,
+                ),
+            )
+            return
         ops.cond(
             finite,
-            lambda: self.inner_optimizer.apply(
+            lambda: self._apply_inner(
                 self._unscale_and_clip(grads, trainable_variables, unscaled),
                 trainable_variables,
             ),
@@ -635,10 +701,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _unscale_and_clip(self, grads, trainable_variables, unscaled=False):
         """The gradients the inner optimizer applies, computed in its branch."""
         num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        if _can_skip_inner_all_reduce(self.inner_optimizer):
+            # The inner optimizer will not sum over replicas again (see
+            # `_apply_inner`): the reduced gradients are its gradients.
+            num_replicas = 1
         clipping = (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None,) * 3
         if not unscaled:
-            # Without clipping, one division unscales and averages over
-            # replicas (the inner optimizer sums over them again).
+            # Without clipping, one division unscales and, where the inner
+            # optimizer sums over replicas again, averages over them.
             divisor = 1 if clipping else num_replicas
             grads = self._unscale(grads, trainable_variables, divisor)
             if not clipping:
@@ -672,7 +742,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         def apply_on_each_replica():
             def apply_on_replica(grads, trainable_variables):
-                self.inner_optimizer.apply(
+                self._apply_inner(
                     self._unscale_and_clip(grads, trainable_variables, unscaled),
                     trainable_variables,
                 )
@@ -681,8 +751,131 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 apply_on_replica, args=(grads, trainable_variables)
             )
 
+        if self._accumulation_steps():
+
+            def accumulate_on_each_replica(zero_out):
+                def accumulate_on_replica(grads, trainable_variables):
+                    self._apply_inner(
+                        self._unscale_and_clip(
+                            _zero_where(zero_out, grads), trainable_variables, unscaled
+                        ),
+                        trainable_variables,
+                    )
+
+                distribution.extended.call_for_each_replica(
+                    accumulate_on_replica, args=(grads, trainable_variables)
+                )
+
+            self._accumulate(finite, loss_finite, nonfinite, accumulate_on_each_replica)
+            return
         ops.cond(finite, apply_on_each_replica, lambda: None)
         self._update_state(finite, loss_finite, nonfinite)
+
+    # -- gradient accumulation ----------------------------------------------
+
+    def _accumulation_steps(self):
+        """The inner optimizer's `gradient_accumulation_steps`, or `None`."""
+        steps = getattr(self.inner_optimizer, "gradient_accumulation_steps", None)
+        if steps and (
+            self.clipvalue is not None
+            or self.clipnorm is not None
+            or self.global_clipnorm is not None
+        ):
+            raise ValueError(
+                "kmp.LossScaleOptimizer's clipping would clip each micro-batch, "
+                "not the accumulated gradients, when the inner optimizer has "
+                "`gradient_accumulation_steps`. Set `clipnorm`, "
+                "`global_clipnorm` or `clipvalue` on the inner optimizer "
+                "instead: it clips the accumulated, unscaled gradients. "
+                f"Received: gradient_accumulation_steps={steps}, "
+                f"clipvalue={self.clipvalue}, clipnorm={self.clipnorm}, "
+                f"global_clipnorm={self.global_clipnorm}"
+            )
+        return steps
+
+    def _accumulate(self, finite, loss_finite, nonfinite_gradients, apply_inner):
+        """One micro-batch of an accumulated step (`gradient_accumulation_steps`).
+
+        ```
+        window_finite = finite and no earlier micro-batch of the window overflowed
+        if boundary (the window's last micro-batch):
+            if window_finite: inner optimizer adds this micro-batch and updates
+            else: accumulators reset, inner step count back to the window's start
+            state = update_loss_scale(state, window_finite)  # once per window
+        else:
+            inner optimizer adds this micro-batch (zeros once the window
+            overflowed: no inf or NaN ever reaches the accumulators)
+        ```
+
+        So the scale is the same for every micro-batch of a window, a window
+        with an overflow anywhere is discarded whole and counted once, and
+        `iterations` counts applied windows only.
+
+        Args:
+            finite, loss_finite, nonfinite_gradients: This micro-batch's
+                decision, as from `_check`.
+            apply_inner: Callable of a boolean tensor `zero_out`: gives the
+                micro-batch's gradients (zeros where `zero_out`) to the inner
+                optimizer.
+        """
+        inner = self.inner_optimizer
+        steps = inner.gradient_accumulation_steps
+        micro_steps = inner._iterations
+        boundary = ops.equal((micro_steps + 1) % steps, 0)
+        window = self._accumulation_window.value
+        window_finite = ops.logical_and(ops.cast(finite, "bool"), ops.equal(window[0], 0))
+        window_loss_finite = ops.logical_and(
+            ops.cast(loss_finite, "bool"), ops.equal(window[1], 0)
+        )
+
+        def discard():
+            inner._backend_reset_gradient_accumulators()
+            micro_steps.assign(micro_steps - (steps - 1))
+
+        ops.cond(
+            ops.logical_and(boundary, ops.logical_not(window_finite)),
+            discard,
+            lambda: apply_inner(ops.logical_not(window_finite)),
+        )
+        ops.cond(
+            boundary,
+            lambda: self._update_state(window_finite, window_loss_finite, nonfinite_gradients),
+            lambda: None,
+        )
+        self._accumulation_window.assign(
+            ops.where(
+                boundary,
+                ops.zeros((2,), "int64"),
+                ops.cast(
+                    ops.stack(
+                        [ops.logical_not(window_finite), ops.logical_not(window_loss_finite)]
+                    ),
+                    "int64",
+                ),
+            )
+        )
+
+    def _apply_inner(self, grads, trainable_variables):
+        """`inner_optimizer.apply` on gradients already summed over replicas.
+
+        Keras' TensorFlow optimizers all-reduce the gradients in `apply`; kmp
+        has done so already (the skip decision needs the sum), so that second
+        all-reduce would only cost a round trip. It is turned off for this
+        call where Keras allows it (see `_can_skip_inner_all_reduce`);
+        otherwise `_unscale_and_clip` divides by the number of replicas so
+        that the second sum gives the same gradients.
+        """
+        inner = self.inner_optimizer
+        if not _can_skip_inner_all_reduce(inner):
+            inner.apply(grads, trainable_variables)
+            return
+        _install_all_reduce_switch(inner)
+        # Thread-local: MirroredStrategy traces each replica in its own thread.
+        _gradients_already_reduced.active = True
+        try:
+            inner.apply(grads, trainable_variables)
+        finally:
+            _gradients_already_reduced.active = False
 
     def _nonfinite_gradient_flags(self, finite_flags, trainable_variables):
         """Int64 vector: 1 at the index of each variable whose gradient is not finite.

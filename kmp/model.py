@@ -12,6 +12,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from kmp import distribute as distribute_module
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
 
@@ -176,9 +177,12 @@ class Model(keras.Model):
                 `auto_scale_loss=False` means `loss_scale=None`.
 
         Raises:
-            ValueError: if `loss_scale` is not one of the above.
+            ValueError: if `loss_scale` is not one of the above, or the model
+                is under a `tf.distribute` strategy kmp does not support (see
+                `kmp.distribute.check_strategy`).
         """
         _check_loss_scale(loss_scale)
+        distribute_module.check_strategy(self.distribute_strategy)
         if kwargs.pop("auto_scale_loss", True) is False and loss_scale == "auto":
             loss_scale = None
         optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
@@ -291,7 +295,13 @@ class Model(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        super().make_train_function(force=force)
+        if distribute_module.is_multi_worker(self.distribute_strategy):
+            # Keras' own train function fails across workers.
+            self.train_function = distribute_module.make_multi_worker_function(
+                self, self.train_step
+            )
+        else:
+            super().make_train_function(force=force)
         keras_train_function = self.train_function
 
         def train_function(iterator):
@@ -314,6 +324,28 @@ class Model(keras.Model):
 
         self.train_function = train_function
         return train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        if not distribute_module.is_multi_worker(self.distribute_strategy):
+            return super().make_test_function(force=force)
+        self.test_function = distribute_module.make_multi_worker_function(
+            self, self.test_step
+        )
+        return self.test_function
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras averages the first batch over replicas just to read its
+        # shapes, which fails across workers; this worker's batch has them.
+        if (
+            iterator is not None
+            and self._distribute_strategy is not None
+            and distribute_module.is_multi_worker(self._distribute_strategy)
+        ):
+            distribute_module.symbolic_build(self, iterator)
+            return
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def fit(
         self,

@@ -1,0 +1,215 @@
+"""tf.distribute: the strategies kmp trains under, and multi-worker training.
+
+kmp trains under the default strategy, `tf.distribute.OneDeviceStrategy`,
+`tf.distribute.MirroredStrategy` (several devices of one machine) and
+`tf.distribute.MultiWorkerMirroredStrategy` (several machines, or several
+processes of one). `kmp.Model.compile` refuses any other strategy.
+
+Keras 3's `fit` fails under `MultiWorkerMirroredStrategy` with more than one
+worker (keras-team/keras#20585, tensorflow/tensorflow#72388), at two places of
+`keras/src/backend/tensorflow/trainer.py`:
+
+1. `TensorFlowTrainer._maybe_symbolic_build` builds the model from the first
+   batch, which it first averages over replicas with
+   `strategy.reduce("MEAN", batch, axis=None)`. The batch is a tuple of
+   `PerReplica` values; `MultiWorkerMirroredStrategy` does not reduce nested
+   structures across workers and tries to convert the tuple to a tensor:
+   `ValueError: Attempt to convert a value (PerReplica:{...}) with an
+   unsupported type ... to a Tensor`.
+2. `reduce_per_replica`, which turns the step's per-replica logs into single
+   values, calls `strategy.reduce("MEAN", value, axis=0)` for every log under
+   `MultiWorkerMirroredStrategy`; the logs are scalars, so this fails with
+   `Invalid reduction dimension 0 for input with 0 dimensions`.
+
+`kmp.Model` avoids both: it builds from this worker's own replica batch (only
+shapes and dtypes matter, so no collective is needed) and, under
+`MultiWorkerMirroredStrategy`, uses the train and test functions made here,
+which reduce all the step's logs in one collective.
+"""
+
+import tensorflow as tf
+from keras.src import tree
+
+# The logs that every replica computes identically (they come from the loss
+# scaler's state, which is decided on all-reduced gradients): they need no
+# reduction across replicas.
+_REPLICA_INVARIANT_LOGS = ("loss_scale", "skipped_steps")
+
+_SUPPORTED_STRATEGIES = (
+    "the default strategy, tf.distribute.OneDeviceStrategy, "
+    "tf.distribute.MirroredStrategy and tf.distribute.MultiWorkerMirroredStrategy"
+)
+
+
+def _is_supported(strategy):
+    if type(strategy) in (
+        tf.distribute.OneDeviceStrategy,
+        tf.distribute.MirroredStrategy,
+        tf.distribute.MultiWorkerMirroredStrategy,
+    ):
+        return True
+    # The default strategy (no `strategy.scope()`) has no public class.
+    return strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy()
+
+
+def check_strategy(strategy):
+    """Raises `ValueError` unless kmp trains correctly under `strategy`.
+
+    Loss scaling must reach the same skip decision on every replica and count
+    it once; kmp does that, and tests it, under the default strategy,
+    `OneDeviceStrategy`, `MirroredStrategy` and `MultiWorkerMirroredStrategy`.
+    Under any other strategy (`ParameterServerStrategy`, whose workers apply
+    updates asynchronously; `TPUStrategy`, not tested;
+    `CentralStorageStrategy`) it would train without that guarantee, so it
+    does not train at all.
+
+    Args:
+        strategy: `tf.distribute.Strategy`. The model's strategy.
+
+    Raises:
+        ValueError: if `strategy` is not one of the supported strategies.
+    """
+    if _is_supported(strategy):
+        return
+    raise ValueError(
+        f"kmp.Model does not support {type(strategy).__name__}: loss scaling "
+        f"is tested under {_SUPPORTED_STRATEGIES} only. Create and compile the "
+        "model under one of those. Received: "
+        f"strategy={type(strategy).__module__}.{type(strategy).__qualname__}"
+    )
+
+
+def is_multi_worker(strategy):
+    """Whether `strategy` is a `MultiWorkerMirroredStrategy`.
+
+    With a single worker Keras' own train function works too, but kmp's gives
+    the same result there, so one code path serves both.
+    """
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def local_data_batch(strategy, data_batch):
+    """Returns this worker's first replica's part of a distributed batch.
+
+    Used in place of Keras' cross-replica mean of the first batch, which is
+    only read for its shapes and dtypes (and which fails across workers).
+    """
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tree.map_structure(local, data_batch)
+
+
+def reduce_logs(logs, strategy):
+    """Averages per-replica `logs` over all replicas, in one collective.
+
+    Every floating or integer log is cast to float32, flattened and packed
+    into one vector, averaged with a single `strategy.reduce`, and unpacked
+    to its own shape and dtype. Logs in `_REPLICA_INVARIANT_LOGS` are read
+    from the first local replica: they are the same everywhere.
+    """
+    flat = tree.flatten(logs)
+    local_first = [strategy.experimental_local_results(v)[0] for v in flat]
+    paths = [path for path, _ in tree.flatten_with_path(logs)]
+    to_reduce = [
+        i
+        for i, path in enumerate(paths)
+        if not (len(path) == 1 and path[0] in _REPLICA_INVARIANT_LOGS)
+    ]
+    results = list(local_first)
+    if to_reduce:
+
+        def pack(*values):
+            return tf.concat(
+                [tf.reshape(tf.cast(values[i], "float32"), [-1]) for i in to_reduce],
+                axis=0,
+            )
+
+        packed = strategy.run(pack, args=tuple(flat))
+        packed = strategy.reduce(tf.distribute.ReduceOp.MEAN, packed, axis=None)
+        offset = 0
+        for i in to_reduce:
+            size = local_first[i].shape.num_elements()
+            value = tf.reshape(packed[offset : offset + size], local_first[i].shape)
+            results[i] = tf.cast(value, local_first[i].dtype)
+            offset += size
+    return tree.pack_sequence_as(logs, results)
+
+
+def make_multi_worker_function(model, step_function):
+    """Returns a train (or test) function for `MultiWorkerMirroredStrategy`.
+
+    It does what Keras' `TensorFlowTrainer._make_function` does (runs
+    `step_function` on each replica, `model.steps_per_execution` steps per
+    call, compiled with `model.jit_compile`), but reduces the logs with
+    `reduce_logs`, which works across workers.
+
+    Args:
+        model: `keras.Model`. The model being trained.
+        step_function: Callable. `model.train_step` or `model.test_step`.
+
+    Returns:
+        A function of a distributed iterator that returns the logs of the
+        last step it ran; it raises `tf.errors.OutOfRangeError` when the
+        iterator is empty, which `fit` takes as the end of the epoch.
+    """
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
+
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(
+            one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
+        )
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step_on_iterator(iterator):
+        steps = model.steps_per_execution
+        logs = one_step_on_data(iterator.get_next())
+        if steps == 1:
+            return logs
+
+        def more(step, logs, next_data):
+            # The distributed iterator tells every worker whether any worker
+            # has run out of data, so all workers stop together.
+            return tf.logical_and(step < steps, next_data.has_value())
+
+        def body(step, logs, next_data):
+            logs = one_step_on_data(next_data.get_value())
+            # No batch is taken past the last step of this call.
+            next_data = tf.cond(
+                step + 1 < steps,
+                iterator.get_next_as_optional,
+                lambda: next_data,
+            )
+            return step + 1, logs, next_data
+
+        _, logs, _ = tf.while_loop(
+            more, body, (tf.constant(1), logs, iterator.get_next_as_optional())
+        )
+        return logs
+
+    if not model.run_eagerly:
+        multi_step_on_iterator = tf.function(
+            multi_step_on_iterator, reduce_retracing=True
+        )
+    return multi_step_on_iterator
+
+
+def symbolic_build(model, iterator):
+    """Builds `model` from this worker's first batch of `iterator`."""
+    for _, _, distributed_iterator in iterator:
+        data_batch = local_data_batch(
+            model.distribute_strategy, next(distributed_iterator)
+        )
+        break
+    else:
+        return
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+

@@ -118,6 +118,13 @@ class _WrappedModel(model_module.Model):
         self.wrapped = model
         self._kmp_wrapped_policy = policy
 
+    def compile(self, optimizer="rmsprop", *args, loss_scale="auto", **kwargs):
+        # "auto" reads the layers' dtypes, which are the policy's only while
+        # the model runs when the layers are the original's.
+        if loss_scale == "auto" and self._kmp_wrapped_policy == "mixed_float16":
+            loss_scale = "dynamic"
+        super().compile(optimizer, *args, loss_scale=loss_scale, **kwargs)
+
     def call(self, inputs, training=None):
         with contextlib.ExitStack() as stack:
             if self._kmp_wrapped_policy is not None:

@@ -64,7 +64,7 @@ def main():
         seconds = time.perf_counter() - start
         loss, accuracy = model.evaluate(x_test, y_test, verbose=0)[:2]
         print(
-            f"| {policy} | {history.history['loss'][-1]:.4f} | {loss:.4f} | "
+            f"| {policy} | {history.history['loss'][-1]:.6f} | {loss:.6f} | "
             f"{accuracy:.3f} | {seconds:.1f} s |"
         )
     print(f"({EPOCHS} epochs of {len(y) // BATCH} steps, batch {BATCH}, Adam 1e-3)")

@@ -336,10 +336,11 @@ def summary(model, print_fn=None):
 
     Example:
 
-    >>> inputs = keras.Input((4,))
-    >>> outputs = keras.layers.UnitNormalization()(keras.layers.Dense(4)(inputs))
     >>> with kmp.policy_scope("mixed_float16"):
-    ...     rows = kmp.summary(kmp.Model(inputs, outputs), print_fn=lambda _: None)
+    ...     inputs = keras.Input((4,))
+    ...     dense = keras.layers.Dense(4)(inputs)
+    ...     model = kmp.Model(inputs, keras.layers.UnitNormalization()(dense))
+    ...     rows = kmp.summary(model, print_fn=lambda _: None)
     >>> [(row["class"], row["compute_dtype"]) for row in rows][1:]
     [('Dense', 'float16'), ('UnitNormalization', 'float32')]
     """

@@ -67,7 +67,7 @@ def _on_top_of(base, output=None):
         base.input,
     )
     features = base(inputs)
-    if output is not None:
+    if isinstance(features, dict):
         features = features[output]
     return _classifier(inputs, features)
 
@@ -106,7 +106,7 @@ def _gemma():
     backbone = keras_hub.models.GemmaBackbone(
         num_query_heads=2, num_key_value_heads=1, head_dim=16, **_TEXT
     )
-    return _text_backbone(backbone, None)
+    return _text_backbone(backbone)
 
 
 def _vit():

@@ -2,7 +2,8 @@
 
 Each model is built once in float32 from a small config (no weights are
 downloaded), brought to each policy with `kmp.convert` (so every policy starts
-from the same weights), and trained `_STEPS` steps of Adam on one fixed batch.
+from the same weights), and trained `_STEPS` applied steps of Adam (learning
+rate 1e-4) on one fixed batch.
 Under each policy: the loss is finite at every step, the outputs are float32,
 and the final loss is within tolerance of the float32 run's:
 
@@ -28,6 +29,10 @@ keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test extra")
 
 _STEPS = 3
 _MAX_CALLS = 24
+# Small enough that three steps on four images do not turn chaotic: with
+# 1e-3, EfficientNetV2B0's float32 loss went 1.37, 1.17, 2.06 (BatchNormalization
+# over a 1x1 map of four images), and any rounding changed where it landed.
+_LEARNING_RATE = 1e-4
 _BATCH = 4
 _SEQUENCE = 8
 _VOCABULARY = 64
@@ -209,6 +214,15 @@ _MODELS = {
     "GroupNormalization CNN": _groupnorm_cnn,
 }
 
+# The deep keras.applications CNNs at 32x32 end on a 1x1 map, where
+# BatchNormalization in training mode normalizes over four values: rounding
+# the activations to 16 bits already moves the *first* loss, from the same
+# weights, by 10-20% (MobileNetV3Small 1.20 -> 1.34 in bfloat16, ResNet50
+# 2.77 -> 2.30 in float16), so the loss after three steps says nothing about
+# kmp. They are checked for finite losses and float32 outputs only; a
+# comparison needs larger images and batches than this suite can afford.
+_NOT_COMPARED = {"MobileNetV3Small", "EfficientNetV2B0", "ResNet50"}
+
 # name -> (float32 model, data); built once, in float32, for all policies.
 _BUILT = {}
 # name -> the float32 run's losses.
@@ -230,7 +244,7 @@ def _train(name, policy):
     keras.utils.set_random_seed(1)
     converted = kmp.convert(model, policy)
     converted.compile(
-        keras.optimizers.Adam(1e-3),
+        keras.optimizers.Adam(_LEARNING_RATE),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     y = np.arange(_BATCH) % 2
@@ -262,6 +276,8 @@ def test_model_trains_under_policy(name, policy):
     assert outputs.dtype == np.float32
     compute_dtype = keras.DTypePolicy(policy).compute_dtype
     assert converted.get_layer("classes").compute_dtype == compute_dtype
+    if name in _NOT_COMPARED:
+        return  # see _NOT_COMPARED
     reference = _float32_losses(name)
     assert abs(losses[-1] - reference[-1]) <= _RTOL * reference[0] + _ATOL, (
         losses,

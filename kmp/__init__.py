@@ -16,6 +16,8 @@ if _keras.backend.backend() != "tensorflow":
     )
 
 from kmp import callbacks
+from kmp.convert import convert
+from kmp.convert import summary
 from kmp.export import export
 from kmp.export import load_model
 from kmp.loss_scale import LossScaleOptimizer
@@ -32,9 +34,11 @@ __all__ = [
     "Model",
     "Policy",
     "callbacks",
+    "convert",
     "export",
     "get_policy",
     "load_model",
     "policy_scope",
     "set_policy",
+    "summary",
 ]

@@ -112,7 +112,11 @@ class Model(keras.Model):
 
     - layers compute in the policy's compute dtype (see `kmp.set_policy`),
       with float32 variables;
-    - normalization layers and `Softmax` compute in float32;
+    - `UnitNormalization`, `Normalization` and the layers named with
+      `keep_float32` (see `kmp.set_policy`, `kmp.convert`) compute in float32
+      and hand the compute dtype on; layers are never changed outside the
+      model's own calls, so wrapping another model's layers leaves it as it
+      was;
     - outputs are float32, so losses, metrics and exported signatures are
       float32;
     - `compile(loss_scale="auto")` wraps the optimizer in a
@@ -147,16 +151,14 @@ class Model(keras.Model):
             _inject_functional(type(self))
             keras.src.models.model.Trainer.__init__(self)
             Functional.__init__(self, *args, **kwargs)
-            policy_module._keep_float32_layers(self)
         else:
             super().__init__(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        policy_module._keep_float32_layers(self)
-        outputs = super().__call__(*args, **kwargs)
-        # Some layers create sublayers in their first call (attention's
-        # Softmax): every later call, and fit()'s trace, sees them in float32.
-        policy_module._keep_float32_layers(self)
+        # Float32 layers are switched for the call only (and fit()'s trace of
+        # it): layers this model shares with another model stay as they are.
+        with policy_module._float32_islands(self, getattr(self, "_kmp_keep_float32", None)):
+            outputs = super().__call__(*args, **kwargs)
         return _to_float32(outputs)
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", **kwargs):

@@ -4,13 +4,14 @@ A kmp policy is a thin, documented view of Keras' global dtype policy. Setting
 one sets Keras' (so every layer created afterwards picks it up); reading one
 reads Keras' (so a policy set through `keras.config.set_dtype_policy` is seen
 too). kmp adds three things Keras does not have: `"auto"`, which picks the
-fastest safe policy for the hardware; the rule that normalization layers,
-`Softmax` and model outputs stay float32 inside a `kmp.Model`; and a
-`loss_scaling` flag that `kmp.Model.compile` reads.
+fastest safe policy for the hardware; float32 "islands", layers that compute
+in float32 inside a `kmp.Model` and hand the compute dtype on (see
+`_float32_islands`); and a `loss_scaling` flag that `kmp.Model.compile` reads.
 """
 
 import contextlib
 import logging
+import re
 
 import keras
 
@@ -18,24 +19,46 @@ _LOGGER = logging.getLogger("kmp")
 
 POLICY_NAMES = ("float32", "mixed_float16", "mixed_bfloat16")
 _SET_POLICY_NAMES = POLICY_NAMES + ("auto",)
+_16_BIT_DTYPES = ("float16", "bfloat16")
 
-# Layers whose arithmetic loses too much in 16 bits (sums of squares,
-# exponentials): they compute in float32 inside a kmp.Model whatever the policy.
-FLOAT32_LAYER_CLASSES = tuple(
-    cls
-    for cls in (
-        getattr(keras.layers, name, None)
-        for name in (
-            "BatchNormalization",
-            "LayerNormalization",
-            "GroupNormalization",
-            "UnitNormalization",
-            "RMSNormalization",
-            "Normalization",
-            "Softmax",
-        )
+
+def _keras_layers(*names):
+    return tuple(
+        cls
+        for cls in (getattr(keras.layers, name, None) for name in names)
+        if cls is not None
     )
-    if cls is not None
+
+
+# The layers `kmp.export` runs in float32 when it serves a model in 16 bits
+# (issue 4). Training does not use this list: see KEEP_FLOAT32_CLASSES.
+FLOAT32_LAYER_CLASSES = _keras_layers(
+    "BatchNormalization",
+    "LayerNormalization",
+    "GroupNormalization",
+    "UnitNormalization",
+    "RMSNormalization",
+    "Normalization",
+    "Softmax",
+)
+
+# Layers whose arithmetic goes wrong in 16 bits and that Keras leaves in the
+# compute dtype: UnitNormalization's sum of squares overflows float16 from
+# |x| ~ 32 per element on 64 features, and Normalization subtracts a mean from raw
+# features, which float16 rounds to 0.5 at 1000. Inside a kmp.Model they
+# compute in float32 and hand the compute dtype on. Batch, Layer, Group and
+# RMS normalization are not here: Keras already computes their statistics in
+# float32 under mixed policies (and keras-hub's RMS norms do the same).
+# Softmax is not here either: TensorFlow's 16-bit softmax is as accurate as a
+# float32 softmax cast back to 16 bits, to one 16-bit rounding.
+KEEP_FLOAT32_CLASSES = _keras_layers("UnitNormalization", "Normalization")
+
+# Layers Keras itself keeps in float32 arithmetic; `kmp.summary` says so.
+_KERAS_FLOAT32_MATH_CLASSES = _keras_layers(
+    "BatchNormalization",
+    "LayerNormalization",
+    "GroupNormalization",
+    "RMSNormalization",
 )
 
 
@@ -44,8 +67,9 @@ class Policy:
     """A precision policy: compute, variable and output dtypes.
 
     Variables and model outputs are always float32; only the compute dtype
-    changes. Normalization layers and `Softmax` compute in float32 inside a
-    `kmp.Model` whatever the policy.
+    changes. Inside a `kmp.Model`, `UnitNormalization`, `Normalization` and
+    the layers named with `keep_float32=` compute in float32 whatever the
+    policy, and hand the compute dtype on.
 
     Args:
         name: String. One of `"float32"`, `"mixed_float16"`,
@@ -126,8 +150,12 @@ class Policy:
 # policy still has its name.
 _active_policy = None
 
+# The user's additions to KEEP_FLOAT32_CLASSES, from `set_policy(...,
+# keep_float32=...)`: a `_Float32Rules`.
+_global_keep_float32 = None
 
-def set_policy(name):
+
+def set_policy(name, keep_float32=None):
     """Sets the global precision policy and returns it.
 
     Sets Keras' global dtype policy, so every layer created afterwards
@@ -144,15 +172,29 @@ def set_policy(name):
     The returned policy names what `"auto"` resolved to, and its `reason`
     says why (the same sentence is logged to the `"kmp"` logger).
 
+    `keep_float32` adds layers to those that compute in float32 inside every
+    `kmp.Model` (`UnitNormalization` and `Normalization` always do): such a
+    layer computes in float32 and hands the compute dtype on, so code around
+    it sees no dtype change. Names can only be checked against a model:
+    `kmp.convert` raises for a name no layer of its model has.
+
     Args:
         name: String or `kmp.Policy`. One of `"float32"`, `"mixed_float16"`,
             `"mixed_bfloat16"` or `"auto"`.
+        keep_float32: Optional list of layer classes, layer names or name
+            patterns (`"re:.*attention.*"`, matched in full against a layer's
+            name and path). Replaces the list set by the previous call.
+            Defaults to `None` (none beyond kmp's own).
 
     Returns:
         The active `kmp.Policy`.
 
     Raises:
-        ValueError: if `name` is not a valid policy name. Nothing is changed.
+        ValueError: if `name` is not a valid policy name, or a pattern of
+            `keep_float32` is not a valid regular expression. Nothing is
+            changed.
+        TypeError: if an entry of `keep_float32` is neither a string nor a
+            layer class. Nothing is changed.
 
     Example:
 
@@ -161,7 +203,8 @@ def set_policy(name):
     'mixed_float16'
     >>> _ = kmp.set_policy("float32")
     """
-    global _active_policy
+    global _active_policy, _global_keep_float32
+    rules = _Float32Rules.parse(keep_float32)
     if isinstance(name, Policy):
         policy = name
     elif name == "auto":
@@ -178,6 +221,7 @@ def set_policy(name):
         )
     keras.config.set_dtype_policy(policy.name)
     _active_policy = policy
+    _global_keep_float32 = rules
     return policy
 
 
@@ -206,19 +250,22 @@ def get_policy():
 
 
 @contextlib.contextmanager
-def policy_scope(name):
+def policy_scope(name, keep_float32=None):
     """Context manager that sets a policy and restores the previous one on exit.
 
     The previous policy is restored even when the block raises.
 
     Args:
         name: String or `kmp.Policy`, as for `kmp.set_policy`.
+        keep_float32: Optional list, as for `kmp.set_policy`. Defaults to
+            `None`.
 
     Yields:
         The `kmp.Policy` active inside the block.
 
     Raises:
-        ValueError: if `name` is not a valid policy name (nothing is changed).
+        ValueError: if `name` or `keep_float32` is not valid (nothing is
+            changed).
 
     Example:
 
@@ -227,15 +274,17 @@ def policy_scope(name):
     >>> layer.compute_dtype, kmp.get_policy().name
     ('float16', 'float32')
     """
-    global _active_policy
+    global _active_policy, _global_keep_float32
     previous_keras_policy = keras.config.dtype_policy()
     previous_active = _active_policy
-    policy = set_policy(name)
+    previous_keep_float32 = _global_keep_float32
+    policy = set_policy(name, keep_float32=keep_float32)
     try:
         yield policy
     finally:
         keras.config.set_dtype_policy(previous_keras_policy)
         _active_policy = previous_active
+        _global_keep_float32 = previous_keep_float32
 
 
 def _choose_auto_policy(gpu_compute_capabilities, cpu_flags):
@@ -306,11 +355,202 @@ def _resolve_auto():
     return Policy(name, reason=f"auto: {reason}")
 
 
-def _keep_float32_layers(model):
-    """Makes every normalization and Softmax layer of `model` compute in float32."""
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+class _Float32Rules:
+    """`keep_float32` entries, parsed: layer classes, exact names, patterns."""
+
+    def __init__(self, classes=(), names=(), patterns=()):
+        self.classes = tuple(classes)
+        self.names = tuple(names)
+        self.patterns = tuple(patterns)
+
+    @classmethod
+    def parse(cls, keep_float32, argument="keep_float32"):
+        """Checks the form of `keep_float32` and returns its rules.
+
+        Raises:
+            TypeError: for an entry that is neither a string nor a layer class.
+            ValueError: for a `"re:"` pattern that does not compile.
+        """
+        if keep_float32 is None:
+            return cls()
+        if isinstance(keep_float32, _Float32Rules):
+            return keep_float32
+        if isinstance(keep_float32, (str, type)):
+            keep_float32 = [keep_float32]
+        classes, names, patterns = [], [], []
+        for entry in keep_float32:
+            if isinstance(entry, type) and issubclass(entry, keras.layers.Layer):
+                classes.append(entry)
+            elif isinstance(entry, str) and entry.startswith("re:"):
+                try:
+                    patterns.append(re.compile(entry[3:]))
+                except re.error as error:
+                    raise ValueError(
+                        f"Each `{argument}` pattern must be a valid regular "
+                        f"expression after 're:' ({error}). Received: "
+                        f"{argument} entry {entry!r}"
+                    ) from None
+            elif isinstance(entry, str) and entry:
+                names.append(entry)
+            else:
+                raise TypeError(
+                    f"Each entry of `{argument}` must be a keras.layers.Layer "
+                    "subclass, a layer name, or a name pattern starting with "
+                    f"'re:'. Received: {argument} entry {entry!r}"
+                )
+        return cls(classes, names, patterns)
+
+    def __add__(self, other):
+        if other is None:
+            return self
+        return _Float32Rules(
+            self.classes + other.classes,
+            self.names + other.names,
+            self.patterns + other.patterns,
+        )
+
+    def match(self, layer):
+        """Returns the entry that puts `layer` in float32, as text, or `None`."""
+        labels = {layer.name, _layer_label(layer)}
+        for cls in self.classes:
+            if isinstance(layer, cls):
+                return cls.__name__
+        for name in self.names:
+            if name in labels:
+                return repr(name)
+        for pattern in self.patterns:
+            if any(pattern.fullmatch(label) for label in labels):
+                return repr("re:" + pattern.pattern)
+        return None
+
+    def check_names(self, model, argument="keep_float32"):
+        """Raises `ValueError` for an exact name no layer of `model` has."""
+        layers = list(model._flatten_layers(include_self=False, recursive=True))
+        known = {layer.name for layer in layers} | {
+            _layer_label(layer) for layer in layers
+        }
+        unknown = [name for name in self.names if name not in known]
+        if unknown:
+            raise ValueError(
+                f"`{argument}` names layers the model does not have: "
+                f"{', '.join(map(repr, unknown))}. Layer names in "
+                f"{model.name!r}: {', '.join(sorted(known))}. Use a class or "
+                "a 're:' pattern to name layers the model may not have."
+            )
+
+
+def _layer_label(layer):
+    # Sublayers without weights have no path; their name is all there is.
+    return getattr(layer, "path", None) or layer.name
+
+
+def _builtin_rules():
+    return _Float32Rules(classes=KEEP_FLOAT32_CLASSES)
+
+
+def _can_change_policy(layer):
+    policy = layer._dtype_policy
+    return (
+        not isinstance(policy, keras.dtype_policies.DTypePolicyMap)
+        and policy.quantization_mode is None
+    )
+
+
+def _float32_plan(model, rules=None):
+    """Which layers of `model` compute in float32, and why.
+
+    A layer matched by kmp's list, the global `keep_float32` or `rules`, and
+    computing in 16 bits, becomes an island: it and every layer inside it
+    compute in float32, and its outputs are cast back to its compute dtype.
+
+    Returns:
+        List of `(layer, role, reason)`, `role` being `"island"` (casts its
+        outputs back) or `"inside"` (a sublayer of an island).
+    """
+    all_rules = _builtin_rules() + _global_keep_float32 + rules
+    plan, seen = [], set()
+
+    def visit(parent, inside):
+        for layer in parent._flatten_layers(include_self=False, recursive=False):
+            if id(layer) in seen:
+                continue
+            seen.add(id(layer))
+            sixteen_bit = (
+                keras.backend.standardize_dtype(layer.compute_dtype) in _16_BIT_DTYPES
+                and _can_change_policy(layer)
+            )
+            if inside is not None:
+                if sixteen_bit:
+                    plan.append((layer, "inside", f"inside float32 layer {inside!r}"))
+                visit(layer, inside)
+                continue
+            entry = all_rules.match(layer)
+            if entry is not None and sixteen_bit:
+                source = (
+                    "kmp's float32 list"
+                    if isinstance(layer, KEEP_FLOAT32_CLASSES)
+                    else "keep_float32"
+                )
+                plan.append((layer, "island", f"{source}: {entry}"))
+                visit(layer, _layer_label(layer))
+            else:
+                visit(layer, None)
+
+    visit(model, None)
+    return plan
+
+
+def _cast_floats(structure, dtype):
+    def cast(x):
         if (
-            isinstance(layer, FLOAT32_LAYER_CLASSES)
-            and layer.compute_dtype != "float32"
+            hasattr(x, "dtype")
+            and keras.backend.is_float_dtype(x.dtype)
+            and keras.backend.standardize_dtype(x.dtype) != dtype
         ):
+            return keras.ops.cast(x, dtype)
+        return x
+
+    return keras.tree.map_structure(cast, structure)
+
+
+def _casting_back(call, dtype):
+    def call_in_float32(*args, **kwargs):
+        return _cast_floats(call(*args, **kwargs), dtype)
+
+    return call_in_float32
+
+
+_NO_INSTANCE_CALL = object()
+
+
+@contextlib.contextmanager
+def _float32_islands(model, rules=None):
+    """Runs a block with the float32 layers of `model` computing in float32.
+
+    Each island's policy becomes float32 (so Keras casts its inputs and
+    variables to float32) and its `call` casts floating outputs back to the
+    compute dtype it had: third-party code around it (a residual add inside
+    a keras-hub block) sees the dtype it would see without kmp. Everything
+    is restored on exit, so the layers are changed only while the model
+    runs (and while `fit` traces it): a model that shares layers with
+    `model` is never affected.
+    """
+    changed = []
+    try:
+        for layer, role, _ in _float32_plan(model, rules):
+            changed.append(
+                (layer, layer.dtype_policy, layer.__dict__.get("call", _NO_INSTANCE_CALL))
+            )
+            compute_dtype = layer.compute_dtype
             layer.dtype_policy = "float32"
+            if role == "island":
+                # object.__setattr__: Keras would track the function.
+                object.__setattr__(layer, "call", _casting_back(layer.call, compute_dtype))
+        yield
+    finally:
+        for layer, previous_policy, previous_call in reversed(changed):
+            layer.dtype_policy = previous_policy
+            if previous_call is _NO_INSTANCE_CALL:
+                layer.__dict__.pop("call", None)
+            else:
+                object.__setattr__(layer, "call", previous_call)

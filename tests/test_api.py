@@ -12,11 +12,13 @@ _PUBLIC = [
     "Model",
     "Policy",
     "callbacks",
+    "convert",
     "export",
     "get_policy",
     "load_model",
     "policy_scope",
     "set_policy",
+    "summary",
 ]
 
 
@@ -50,7 +52,7 @@ def test_configurable_classes_are_registered(name):
     assert keras.saving.get_registered_object(f"kmp>{name}") is cls
 
 
-@pytest.mark.parametrize("module_name", ["kmp.policy", "kmp.loss_scale"])
+@pytest.mark.parametrize("module_name", ["kmp.policy", "kmp.loss_scale", "kmp.convert"])
 def test_docstring_examples_run(module_name):
     module = importlib.import_module(module_name)
     kmp.set_policy("float32")

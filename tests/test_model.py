@@ -287,7 +287,9 @@ def test_subclasses_stay_subclassed_after_functional_use():
         "LayerNormalization",
         "Dense",
     ]
-    assert model.norm.compute_dtype == "float32"
+    # Keras computes LayerNormalization's statistics in float32 itself and
+    # hands bfloat16 on; kmp leaves the layer as Keras made it.
+    assert model.norm.compute_dtype == "bfloat16"
     assert functional_subclass(x).dtype == tf.float32
 
 

@@ -152,18 +152,20 @@ class _DtypeProbe(keras.layers.Layer):
         return x
 
 
-_FLOAT32_LAYERS = [
+_KERAS_FLOAT32_MATH_LAYERS = [
     lambda: keras.layers.BatchNormalization(),
     lambda: keras.layers.LayerNormalization(),
     lambda: keras.layers.GroupNormalization(groups=2),
-    lambda: keras.layers.UnitNormalization(),
     lambda: keras.layers.RMSNormalization(),
     lambda: keras.layers.Softmax(),
 ]
 
 
-@pytest.mark.parametrize("make_layer", _FLOAT32_LAYERS)
-def test_normalization_and_softmax_compute_in_float32_inside_functional_model(make_layer):
+@pytest.mark.parametrize("make_layer", _KERAS_FLOAT32_MATH_LAYERS)
+def test_layers_keras_keeps_accurate_are_left_as_keras_made_them(make_layer):
+    # Keras computes these layers' statistics in float32 and returns the
+    # compute dtype; kmp adds nothing, so the next layer (or a residual add
+    # in third-party code) sees the compute dtype.
     kmp.set_policy("mixed_bfloat16")
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(4)(inputs)
@@ -171,18 +173,78 @@ def test_normalization_and_softmax_compute_in_float32_inside_functional_model(ma
     probe = _DtypeProbe()
     outputs = keras.layers.Dense(2)(probe(special(hidden)))
     model = kmp.Model(inputs, outputs)
-    assert special.compute_dtype == "float32"
-    assert model.layers[1].compute_dtype == "bfloat16"
     result = model(np.ones((3, 4), "float32"))
-    assert probe.seen[-1] == "float32"
+    assert probe.seen[-1] == "bfloat16"
+    assert special.dtype_policy.name == "mixed_bfloat16"
     assert keras.backend.standardize_dtype(result.dtype) == "float32"
     assert all(v.dtype == "float32" for v in model.weights)
+
+
+def _unit_normalization_model():
+    inputs = keras.Input((64,))
+    probe = _DtypeProbe()
+    outputs = probe(keras.layers.UnitNormalization()(inputs))
+    return inputs, outputs, probe
+
+
+def test_unit_normalization_computes_in_float32_and_hands_float16_on():
+    # What kmp's float32 buys: the sum of squares of 64 values of 300 is
+    # 5.8e6, past float16's 65504, so Keras' float16 UnitNormalization
+    # returns zeros; kmp's returns 1/8 (the exact answer).
+    kmp.set_policy("mixed_float16")
+    x = np.full((2, 64), 300.0, "float32")
+    inputs, outputs, _ = _unit_normalization_model()
+    keras_result = keras.Model(inputs, outputs)(x)
+    inputs, outputs, probe = _unit_normalization_model()
+    kmp_result = kmp.Model(inputs, outputs)(x)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras_result), 0.0)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(kmp_result), 0.125, rtol=1e-3)
+    assert probe.seen[-1] == "float16"
+
+
+def test_normalization_computes_in_float32_and_hands_float16_on():
+    # Raw features near 1000 with a spread of 0.1: float16 rounds them to
+    # multiples of 0.5 before subtracting the mean, so Keras' float16
+    # Normalization gives steps of 5 standard deviations; kmp's is exact to
+    # float16's rounding of the result.
+    kmp.set_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = (1000.0 + 0.1 * rng.normal(size=(256, 1))).astype("float32")
+    expected = (x - x.mean()) / x.std()
+
+    def build(model_class):
+        inputs = keras.Input((1,))
+        normalization = keras.layers.Normalization()
+        normalization.adapt(x)
+        probe = _DtypeProbe()
+        return model_class(inputs, probe(normalization(inputs))), probe
+
+    keras_model, _ = build(keras.Model)
+    kmp_model, probe = build(kmp.Model)
+    keras_error = np.max(np.abs(keras.ops.convert_to_numpy(keras_model(x)) - expected))
+    kmp_error = np.max(np.abs(keras.ops.convert_to_numpy(kmp_model(x)) - expected))
+    assert keras_error > 1.0
+    assert kmp_error < 1e-2
+    assert probe.seen[-1] == "float16"
+
+
+def test_wrapping_leaves_the_layers_of_the_wrapped_model_unchanged():
+    kmp.set_policy("mixed_float16")
+    inputs, outputs, _ = _unit_normalization_model()
+    original = keras.Model(inputs, outputs)
+    policies_before = [layer.dtype_policy.name for layer in original.layers]
+    wrapped = kmp.Model(original.input, original.output)
+    wrapped(np.ones((2, 64), "float32"))
+    assert [layer.dtype_policy.name for layer in original.layers] == policies_before
+    assert all("call" not in vars(layer) for layer in original.layers)
+    assert original(np.ones((2, 64), "float32")).dtype == "float16"
 
 
 def test_float32_layers_in_subclassed_and_nested_models():
     kmp.set_policy("mixed_bfloat16")
     inner_inputs = keras.Input((4,))
-    inner = keras.Model(inner_inputs, keras.layers.LayerNormalization()(inner_inputs))
+    inner = keras.Model(inner_inputs, keras.layers.UnitNormalization()(inner_inputs))
+    seen = []
 
     class Net(kmp.Model):
         def __init__(self):
@@ -195,15 +257,39 @@ def test_float32_layers_in_subclassed_and_nested_models():
 
         def call(self, x, training=False):
             h = self.inner(self.norm(self.dense(x), training=training))
+            seen.append(keras.backend.standardize_dtype(h.dtype))
+            h = h + self.dense(x)  # a raw add, where Keras does not autocast
             h = self.attention(h[:, None, :], h[:, None, :])[:, 0, :]
             return self.out(h)
 
     net = Net()
-    net(np.ones((2, 4), "float32"))  # builds the attention's Softmax lazily
+    net(np.ones((2, 4), "float32"))
     result = net(np.ones((2, 4), "float32"))
     assert keras.backend.standardize_dtype(result.dtype) == "float32"
-    assert net.norm.compute_dtype == "float32"
-    assert inner.layers[1].compute_dtype == "float32"
-    assert net.attention._softmax.compute_dtype == "float32"
-    assert net.dense.compute_dtype == "bfloat16"
+    assert seen[-1] == "bfloat16"
+    assert inner.layers[1].dtype_policy.name == "mixed_bfloat16"
+    assert net.norm.compute_dtype == "bfloat16"
     assert np.all(np.isfinite(keras.ops.convert_to_numpy(result)))
+
+
+def test_set_policy_keep_float32_checks_its_entries_and_changes_nothing_on_error():
+    kmp.set_policy("mixed_bfloat16", keep_float32=[keras.layers.Dense])
+    with pytest.raises(TypeError, match="keep_float32.*Received: keep_float32 entry 3"):
+        kmp.set_policy("float32", keep_float32=["head", 3])
+    with pytest.raises(ValueError, match="regular expression.*'re:\\('"):
+        kmp.set_policy("float32", keep_float32=["re:("])
+    assert kmp.get_policy().name == "mixed_bfloat16"
+    inputs = keras.Input((4,))
+    dense = keras.layers.Dense(2)
+    probe = _DtypeProbe()
+    model = kmp.Model(inputs, probe(dense(inputs)))
+    model(np.ones((1, 4), "float32"))
+    assert probe.seen[-1] == "bfloat16"  # float32 inside, bfloat16 handed on
+    assert dense.dtype_policy.name == "mixed_bfloat16"
+
+
+def test_policy_scope_restores_keep_float32():
+    kmp.set_policy("mixed_bfloat16", keep_float32=["re:head.*"])
+    with kmp.policy_scope("float32", keep_float32=[keras.layers.Dense]):
+        assert kmp.policy._global_keep_float32.classes == (keras.layers.Dense,)
+    assert [p.pattern for p in kmp.policy._global_keep_float32.patterns] == ["head.*"]

@@ -1,0 +1,317 @@
+"""kmp.convert, keep_float32 and kmp.summary."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.convert import _WrappedModel
+from kmp.model import FunctionalModel
+
+
+def _dtype(x):
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+@keras.saving.register_keras_serializable(package="kmp_tests")
+class Recorder(keras.layers.Layer):
+    """Records the dtype it computes in, and returns its input scaled."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def call(self, x):
+        self.seen.append(_dtype(x))
+        return x * 2.0
+
+
+@keras.saving.register_keras_serializable(package="kmp_tests")
+class Probe(keras.layers.Layer):
+    """Records the dtype it is handed, without casting it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._convert_input_args = False
+        self.seen = []
+
+    def call(self, x):
+        self.seen.append(_dtype(x))
+        return x
+
+
+def _functional(head_dtype=None):
+    inputs = keras.Input((4,), name="features")
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    hidden = keras.layers.LayerNormalization(name="norm")(hidden)
+    hidden = Probe(name="after_recorder")(Recorder(name="recorder")(hidden))
+    outputs = keras.layers.Dense(3, name="head", dtype=head_dtype)(hidden)
+    return keras.Model(inputs, outputs, name="net")
+
+
+def _data(n=16):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.integers(0, 3, size=n)
+
+
+def _policies(model):
+    return [layer.dtype_policy.name for layer in model._flatten_layers(recursive=True)]
+
+
+def _assert_close(converted, original, x, atol):
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(converted(x)),
+        keras.ops.convert_to_numpy(original(x)),
+        atol=atol,
+    )
+
+
+def test_functional_model_is_rebuilt_under_the_policy_and_left_untouched():
+    model = _functional()
+    x, y = _data()
+    before = _policies(model)
+    converted = kmp.convert(model, "mixed_float16")
+    assert isinstance(converted, FunctionalModel)
+    assert converted.get_layer("hidden").compute_dtype == "float16"
+    assert _policies(model) == before
+    _assert_close(converted, model, x, atol=2e-2)
+    assert _dtype(converted(x)) == "float32"
+    converted.compile("adam", "sparse_categorical_crossentropy")
+    weights_before = [w.copy() for w in model.get_weights()]
+    converted.fit(x, y, epochs=2, verbose=0)
+    for before_value, after_value in zip(weights_before, model.get_weights()):
+        np.testing.assert_array_equal(before_value, after_value)
+    assert _dtype(model(x)) == "float32"
+
+
+def test_default_policy_is_the_active_kmp_policy():
+    model = _functional()
+    kmp.set_policy("mixed_bfloat16")
+    assert kmp.convert(model).get_layer("hidden").compute_dtype == "bfloat16"
+
+
+def test_a_layers_own_dtype_is_kept():
+    kmp.set_policy("mixed_float16")
+    model = _functional(head_dtype="float32")
+    converted = kmp.convert(model, "mixed_bfloat16")
+    assert converted.get_layer("head").dtype_policy.name == "float32"
+    assert converted.get_layer("hidden").dtype_policy.name == "mixed_bfloat16"
+    rows = {row["layer"]: row for row in kmp.summary(converted, print_fn=lambda _: None)}
+    assert rows["head"]["reason"] == "dtype= on the layer (float32), kept"
+    assert rows["hidden"]["reason"] == "policy mixed_bfloat16"
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_sequential(built):
+    model = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(2)])
+    x, _ = _data()
+    if built:
+        model.build((None, 4))
+    converted = kmp.convert(model, "mixed_bfloat16")
+    assert isinstance(converted, kmp.Model)
+    assert _dtype(converted(x)) == "float32"
+    if built:
+        assert isinstance(converted, FunctionalModel)
+        _assert_close(converted, model, x, atol=5e-2)
+    assert all(layer.dtype_policy.name == "float32" for layer in model.layers)
+
+
+class WithConfig(keras.Model):
+    def __init__(self, units=3, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.dense = keras.layers.Dense(units)
+        self.recorder = Recorder()
+
+    def call(self, x):
+        return self.recorder(self.dense(x))
+
+    def get_config(self):
+        return {"units": self.units, "name": self.name}
+
+
+class WithoutConfig(keras.Model):
+    def __init__(self, layer):
+        super().__init__()
+        self.inner = layer
+        self.recorder = Recorder()
+
+    def call(self, x):
+        return self.recorder(self.inner(x))
+
+
+def test_subclassed_model_with_a_config_is_copied():
+    model = WithConfig()
+    x, _ = _data()
+    model(x)
+    converted = kmp.convert(model, "mixed_float16")
+    assert isinstance(converted, _WrappedModel)
+    assert converted.wrapped is not model
+    _assert_close(converted, model, x, atol=2e-2)
+    assert converted.wrapped.recorder.seen[-1] == "float16"
+    assert model.dense.dtype_policy.name == "float32"
+
+
+def test_subclassed_model_without_a_config_is_wrapped_and_shares_weights():
+    model = WithoutConfig(keras.layers.Dense(2))
+    x, _ = _data()
+    model(x)
+    with pytest.warns(UserWarning, match="shares its weights"):
+        converted = kmp.convert(model, "mixed_float16")
+    assert converted.wrapped is model
+    result = converted(x)
+    assert _dtype(result) == "float32"
+    assert model.recorder.seen[-1] == "float16"  # under the policy in the call
+    assert model.inner.dtype_policy.name == "float32"  # and restored after
+    converted.compile("sgd", "mse")
+    assert isinstance(converted.optimizer, kmp.LossScaleOptimizer)
+    history = converted.fit(x, np.zeros((16, 2), "float32"), epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert model.recorder.seen[-1] == "float16"
+    assert model(x).dtype == "float32"
+
+
+def test_kmp_model_is_returned_repolicied():
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    original = kmp.Model(inputs, keras.layers.Dense(2)(inputs))
+    converted = kmp.convert(original, "mixed_bfloat16")
+    assert isinstance(converted, FunctionalModel)
+    assert converted.layers[-1].compute_dtype == "bfloat16"
+    assert original.layers[-1].compute_dtype == "float16"
+
+
+def test_compiled_model_is_compiled_the_same_with_a_fresh_optimizer():
+    model = _functional()
+    model.compile(
+        keras.optimizers.Adam(learning_rate=0.01),
+        "sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    converted = kmp.convert(model, "mixed_float16")
+    assert isinstance(converted.optimizer, kmp.LossScaleOptimizer)
+    inner = converted.optimizer.inner_optimizer
+    assert isinstance(inner, keras.optimizers.Adam)
+    assert inner is not model.optimizer
+    assert float(inner.learning_rate) == pytest.approx(0.01)
+    history = converted.fit(x, y, epochs=1, verbose=0)
+    assert set(history.history) >= {"loss", "accuracy", "loss_scale"}
+    bf16 = kmp.convert(model, "mixed_bfloat16")
+    assert isinstance(bf16.optimizer, keras.optimizers.Adam)  # nothing to scale
+    assert not getattr(kmp.convert(model, compile=False), "compiled", False)
+
+
+def _recorded(converted):
+    recorder = converted.get_layer("recorder")
+    after = converted.get_layer("after_recorder")
+    converted(_data()[0])
+    return recorder.seen[-1], after.seen[-1]
+
+
+@pytest.mark.parametrize(
+    "keep_float32", [[Recorder], ["recorder"], ["re:rec.*"], "re:.*order"]
+)
+def test_keep_float32_forms_compute_in_float32_and_hand_float16_on(keep_float32):
+    model = _functional()
+    converted = kmp.convert(model, "mixed_float16", keep_float32=keep_float32)
+    assert _recorded(converted) == ("float32", "float16")
+    rows = {row["layer"]: row for row in kmp.summary(converted, print_fn=lambda _: None)}
+    assert rows["recorder"]["compute_dtype"] == "float32"
+    assert rows["recorder"]["reason"].startswith("keep_float32: ")
+    assert rows["recorder"]["reason"].endswith("outputs cast back to float16")
+    assert rows["hidden"]["compute_dtype"] == "float16"
+
+
+def test_keep_float32_of_set_policy_applies_to_convert():
+    model = _functional()
+    kmp.set_policy("mixed_float16", keep_float32=["recorder"])
+    assert _recorded(kmp.convert(model)) == ("float32", "float16")
+
+
+def test_keep_float32_on_a_composite_layer_puts_its_sublayers_in_float32():
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((3, 4))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=2, name="attn")
+    probe = Probe()
+    hidden = keras.layers.Dense(4)(inputs)
+    outputs = probe(attention(hidden, hidden) + hidden)
+    model = kmp.Model(inputs, outputs)
+    converted = kmp.convert(model, keep_float32=["attn"])
+    rows = {row["layer"]: row for row in kmp.summary(converted, print_fn=lambda _: None)}
+    assert rows["attn/query"]["compute_dtype"] == "float32"
+    assert rows["attn/query"]["reason"] == "inside float32 layer 'attn'"
+    converted(np.ones((2, 3, 4), "float32"))
+    assert converted.layers[-1].seen[-1] == "float16"
+    assert attention.query_dense.dtype_policy.name == "mixed_float16"
+
+
+def test_unknown_name_lists_the_names_there_are():
+    model = _functional()
+    with pytest.raises(ValueError, match="'recordr'.*Layer names in 'net': .*recorder"):
+        kmp.convert(model, keep_float32=["recordr"])
+    kmp.set_policy("mixed_float16", keep_float32=["nowhere"])
+    with pytest.raises(ValueError, match="keep_float32 of kmp.set_policy.*'nowhere'"):
+        kmp.convert(model)
+
+
+def test_argument_errors():
+    model = _functional()
+    with pytest.raises(TypeError, match="Received: keep_float32 entry 7"):
+        kmp.convert(model, keep_float32=[7])
+    with pytest.raises(ValueError, match="regular expression"):
+        kmp.convert(model, keep_float32=["re:[unclosed"])
+    with pytest.raises(ValueError, match="Received: policy='float8'"):
+        kmp.convert(model, policy="float8")
+    with pytest.raises(TypeError, match="Received: model of type Dense"):
+        kmp.convert(keras.layers.Dense(2))
+
+
+def test_summary_prints_a_table_with_every_layer():
+    kmp.set_policy("mixed_float16")
+    lines = []
+    rows = kmp.summary(kmp.convert(_functional()), print_fn=lines.append)
+    text = lines[0]
+    assert "policy mixed_float16" in text.splitlines()[0]
+    assert [row["layer"] for row in rows] == [
+        "features", "hidden", "norm", "recorder", "after_recorder", "head"
+    ]
+    norm = rows[2]
+    assert norm["compute_dtype"] == "float16"
+    assert norm["reason"].endswith("Keras computes its statistics in float32")
+    assert rows[0]["compute_dtype"] == "float32"  # the data's dtype
+    for row in rows:
+        assert row["layer"] in text and row["reason"] in text
+
+
+def test_keras_hub_backbone_converts_and_the_original_still_runs():
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test extra")
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=8,
+    )
+    tokens = {
+        "token_ids": np.arange(16).reshape(2, 8) % 64,
+        "segment_ids": np.zeros((2, 8), "int32"),
+        "padding_mask": np.ones((2, 8), "int32"),
+    }
+    before = _policies(backbone)
+    converted = kmp.convert(backbone, "mixed_float16")
+    outputs = converted(tokens)
+    assert {k: _dtype(v) for k, v in outputs.items()} == {
+        "sequence_output": "float32", "pooled_output": "float32"
+    }
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(outputs["pooled_output"]),
+        keras.ops.convert_to_numpy(backbone(tokens)["pooled_output"]),
+        atol=2e-2,
+    )
+    # Wrapping the backbone's own layers leaves them as they were too.
+    kmp.set_policy("mixed_float16")
+    wrapped = kmp.Model(backbone.input, backbone.output["pooled_output"])
+    wrapped(tokens)
+    assert _policies(backbone) == before
+    assert _dtype(backbone(tokens)["pooled_output"]) == "float32"

@@ -16,6 +16,8 @@ if _keras.backend.backend() != "tensorflow":
     )
 
 from kmp import callbacks
+from kmp.diagnose import DiagnosisReport
+from kmp.diagnose import diagnose
 from kmp.export import export
 from kmp.export import load_model
 from kmp.loss_scale import LossScaleOptimizer
@@ -28,10 +30,12 @@ from kmp.policy import set_policy
 __version__ = "0.1.0"
 
 __all__ = [
+    "DiagnosisReport",
     "LossScaleOptimizer",
     "Model",
     "Policy",
     "callbacks",
+    "diagnose",
     "export",
     "get_policy",
     "load_model",

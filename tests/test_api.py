@@ -8,10 +8,12 @@ from keras import ops
 import kmp
 
 _PUBLIC = [
+    "DiagnosisReport",
     "LossScaleOptimizer",
     "Model",
     "Policy",
     "callbacks",
+    "diagnose",
     "export",
     "get_policy",
     "load_model",

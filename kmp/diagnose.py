@@ -252,6 +252,10 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
         else float32
     ```
 
+    The float32 gradients of all `steps` batches are held in host memory
+    (one float32 copy) to measure the underflow at the recommended scale:
+    diagnose on a few batches, not an epoch.
+
     Static checks run with or without data: epsilons below float16's
     smallest normal (6.1e-5) in layers that add them in float16, constants
     that overflow float16 (a `-1e9` mask) in custom layers, custom layers
@@ -511,8 +515,12 @@ class _Pass:
                     f"{layer.name!r} has none it can use ({error}). Shared "
                     "layers (called more than once) are not supported."
                 ) from None
-        self.model_outputs = tree.flatten(model.outputs)
-        self.extractor = keras.Model(model.input, [outputs, model.outputs])
+        if isinstance(model, keras.Sequential):
+            # A Sequential model is never called on its inputs: no `input`.
+            inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+        else:
+            inputs = model.input
+        self.extractor = keras.Model(inputs, [outputs, model.outputs])
         # Each variable counts for the first layer that owns it.
         seen = set()
         self.weights = []

@@ -270,3 +270,27 @@ def test_invalid_arguments_are_named():
 
     with pytest.raises(ValueError, match="functional or Sequential"):
         kmp.diagnose(Subclassed(), data, loss="mse")
+
+
+def test_kmp_model_keeps_normalization_in_float32_and_sequential_works():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(4, name="dense")(inputs)
+    hidden = keras.layers.LayerNormalization(name="norm")(hidden)
+    model = kmp.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
+    data = (np.ones((2, 4), "float32"), np.zeros((2, 1), "float32"))
+
+    report = kmp.diagnose(model, data, loss="mse", policy="mixed_float16")
+
+    dtypes = {row["name"]: row["compute_dtype"] for row in report.layers}
+    assert dtypes == {"dense": "float16", "norm": "float32", "head": "float16"}
+    assert report.findings == []  # kmp.Model: float32 norm and outputs
+    assert all(layer.compute_dtype == "float32" for layer in model.layers)
+
+    sequential = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, name="s1"), keras.layers.Dense(1, name="s2")]
+    )
+    report = kmp.diagnose(sequential, data, loss="mse", policy="mixed_bfloat16")
+    assert [row["name"] for row in report.layers] == ["s1", "s2"]
+    assert {row["compute_dtype"] for row in report.layers} == {"bfloat16"}
+    assert 0 < report.layer("s2")["rel_error"] < 0.05
+    assert report.recommended_policy == "mixed_bfloat16"

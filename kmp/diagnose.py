@@ -36,6 +36,9 @@ _MAX_SCALE_EXPONENT = 24
 # float16 "does not fit" when more gradient values than this would still be
 # flushed to zero at the recommended scale.
 _MAX_ZERO_SHARE = 0.01
+# A layer output further than this from float32 (relative L2 error) is
+# wrong, not merely rounded: float16 rounds at ~5e-4, bfloat16 at ~4e-3.
+_MAX_REL_ERROR = 0.1
 
 # Keras layers that add their epsilon in float32 whatever their compute dtype
 # (their statistics are computed in at least float32).
@@ -53,7 +56,7 @@ _FLOAT32_STATISTICS_LAYERS = tuple(
     if cls is not None
 )
 
-_EXP_CALLS = {"exp", "expm1", "softmax", "log_softmax", "logsumexp", "sigmoid"}
+_EXP_CALLS = {"exp", "expm1", "softmax", "log_softmax", "logsumexp"}
 _NORM_CALLS = {"norm", "l2_normalize", "normalize", "rsqrt", "moments", "var", "std"}
 _SQUARE_CALLS = {"square", "power", "pow"}
 _SUM_CALLS = {"sum", "mean", "reduce_sum", "reduce_mean"}
@@ -77,6 +80,10 @@ class DiagnosisReport:
             `"direction"` (`"forward"` or `"backward"`): where the reduced
             pass first stopped being finite.
         direction: `None`, `"forward"` or `"backward"`.
+        first_inaccurate: `None`, or a dict with `"layer"` and `"rel_error"`:
+            the first layer, in execution order, whose reduced output is
+            finite but more than 10% off float32 (an overflow inside the
+            layer that its output hides, such as `x / sqrt(inf)` = 0).
         recommended_loss_scale: Float or `None`: the largest power of two at
             which no float32 gradient overflows float16 (`None` when none in
             `[2**-24, 2**24]` does).
@@ -95,6 +102,7 @@ class DiagnosisReport:
         self.loss = fields["loss"]
         self.layers = fields["layers"]
         self.first_nonfinite = fields["first_nonfinite"]
+        self.first_inaccurate = fields["first_inaccurate"]
         self.recommended_loss_scale = fields["recommended_loss_scale"]
         self.underflow_at_recommended = fields["underflow_at_recommended"]
         self.recommended_policy = fields["recommended_policy"]
@@ -126,6 +134,9 @@ class DiagnosisReport:
                 dict(self.first_nonfinite) if self.first_nonfinite else None
             ),
             "direction": self.direction,
+            "first_inaccurate": (
+                dict(self.first_inaccurate) if self.first_inaccurate else None
+            ),
             "recommended_loss_scale": self.recommended_loss_scale,
             "underflow_at_recommended": dict(self.underflow_at_recommended),
             "recommended_policy": self.recommended_policy,
@@ -189,6 +200,12 @@ class DiagnosisReport:
                 )
             else:
                 lines.append("First non-finite: none, every value was finite.")
+            if self.first_inaccurate:
+                lines.append(
+                    f"First inaccurate: {self.first_inaccurate['layer']}, "
+                    f"finite but {self.first_inaccurate['rel_error']:.0%} off "
+                    "float32 (above 10% it is wrong, not rounded)."
+                )
             underflow = self.underflow_at_recommended
             if self.recommended_loss_scale is None:
                 lines.append(
@@ -244,12 +261,15 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     first_nonfinite: first layer whose reduced output is not finite
                      ("forward"); else, if the loss is finite, the layer
                      nearest the loss with a non-finite gradient ("backward")
+    first_inaccurate: first layer whose reduced output is finite but has
+                     rel_error > 0.1 (it overflowed inside, e.g. x / sqrt(inf))
     recommended_loss_scale = largest S = 2**k, -24 <= k <= 24, with
                              max |g_float32| * S < 65520
     recommended_policy: the reduced policy if float16's range fits (no
-        activation overflows, S >= 1, at most 1% of gradient values flushed
-        to zero at S); else mixed_bfloat16 if the hardware runs bfloat16,
-        else float32
+        activation overflows, the float16 forward pass is finite, no layer
+        output is more than 10% off float32, S >= 1, at most 1% of gradient
+        values flushed to zero at S); else mixed_bfloat16 if the hardware
+        runs bfloat16, else float32
     ```
 
     The float32 gradients of all `steps` batches are held in host memory
@@ -327,7 +347,8 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
         return DiagnosisReport(
             policy=target, loss_scale=loss_scale, steps=0,
             loss={"float32": None, "reduced": None}, layers=[],
-            first_nonfinite=None, recommended_loss_scale=None,
+            first_nonfinite=None, first_inaccurate=None,
+            recommended_loss_scale=None,
             underflow_at_recommended={"zero": None, "subnormal": None},
             recommended_policy=name, policy_reason=reason, findings=findings,
         )
@@ -372,13 +393,23 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
         for row, name, layer in zip(rows, names, reduced_pass.layers)
     ]
     max_activation = max((row["max_abs_activation"] for row in layers), default=0.0)
+    first_inaccurate = next(
+        (
+            {"layer": row["name"], "rel_error": row["rel_error"]}
+            for row in layers
+            if math.isfinite(row["rel_error"]) and row["rel_error"] > _MAX_REL_ERROR
+        ),
+        None,
+    )
     name, reason = _recommend_policy(
-        target, (max_activation, recommended, underflow["zero"], first_nonfinite),
+        target,
+        (max_activation, recommended, underflow["zero"], first_nonfinite, first_inaccurate),
         has_bf16,
     )
     return DiagnosisReport(
         policy=target, loss_scale=loss_scale, steps=len(batches), loss=losses,
         layers=layers, first_nonfinite=first_nonfinite,
+        first_inaccurate=first_inaccurate,
         recommended_loss_scale=recommended, underflow_at_recommended=underflow,
         recommended_policy=name, policy_reason=reason, findings=findings,
     )
@@ -607,10 +638,18 @@ def _recommend_policy(target, measured, has_bf16):
     compute_dtype = keras.DTypePolicy(target).compute_dtype
     if measured is None:
         return target, "static checks only; run with data to measure ranges"
-    max_activation, scale, zero_share, first_nonfinite = measured
+    max_activation, scale, zero_share, first_nonfinite, first_inaccurate = measured
+    inaccurate = (
+        f"{first_inaccurate['layer']}'s output is "
+        f"{first_inaccurate['rel_error']:.0%} off float32 (compute it in float32)"
+        if first_inaccurate
+        else None
+    )
     if compute_dtype == "bfloat16":
         if first_nonfinite:
             return "float32", "the model is not finite even in bfloat16"
+        if inaccurate:
+            return "float32", inaccurate
         return target, "every value was finite in bfloat16"
     if compute_dtype != "float16":
         return target, f"{target} was diagnosed"
@@ -619,6 +658,14 @@ def _recommend_policy(target, measured, has_bf16):
         problems.append(
             f"activations reach {max_activation:.3g}, beyond float16's 65504"
         )
+    elif first_nonfinite and first_nonfinite["direction"] == "forward":
+        problems.append(
+            f"the float16 forward pass is not finite from "
+            f"{first_nonfinite['layer']} on, though its float32 output fits: "
+            "it overflows inside (compute it in float32)"
+        )
+    elif inaccurate:
+        problems.append(inaccurate)
     if scale is None or scale < 1:
         problems.append("the gradients need a loss scale below 1")
     elif zero_share is not None and zero_share > _MAX_ZERO_SHARE:
@@ -798,6 +845,9 @@ def _static_findings(model, reduced):
         source = _call_source(user_layer) if custom else None
         upcasts = source is not None and "float32" in source
         epsilon = _epsilon(user_layer)
+        if epsilon is None and source is not None:
+            # A literal such as `+ 1e-8` in call().
+            epsilon = min(_small_constants(ast.parse(source)), default=None)
         if (
             in_float16
             and epsilon is not None
@@ -821,8 +871,9 @@ def _static_findings(model, reduced):
                 findings.append(_finding(
                     "constant", layer,
                     f"the constant {value:g} in call() overflows float16 "
-                    "(largest finite: 65504) and becomes inf; a mask built "
-                    "from it turns softmax inputs into inf - inf = NaN.",
+                    "(largest finite: 65504) and becomes inf: `mask * -1e9` "
+                    "gives NaN where the mask is 0 (0 * inf), and a fully "
+                    "masked softmax row gives NaN (-inf - -inf).",
                     "use a dtype-aware constant, e.g. "
                     "keras.ops.convert_to_tensor(-65504, x.dtype) or "
                     "-0.7 * float16 max, or mask with "
@@ -834,7 +885,8 @@ def _static_findings(model, reduced):
                 findings.append(_finding(
                     "float16 math", layer,
                     f"call() computes {', '.join(risky)} in float16, which "
-                    "overflows above 65504 (exp(11.1) already does).",
+                    "overflows above 65504: exp(x) for x > 11.1, x**2 for "
+                    "|x| > 256.",
                     "cast the inputs to float32 first "
                     "(keras.ops.cast(x, 'float32')) and the result back, or "
                     "give the layer dtype='float32'",
@@ -889,6 +941,16 @@ def _large_constants(tree_):
     return values
 
 
+def _small_constants(tree_):
+    return [
+        float(node.value)
+        for node in ast.walk(tree_)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, float)
+        and 0 < node.value < FLOAT16_SMALLEST_NORMAL
+    ]
+
+
 def _risky_calls(tree_):
     called = set()
     squares = False
@@ -923,8 +985,9 @@ def _output_findings(model, reduced):
             findings.append(_finding(
                 "output dtype", layer,
                 f"the model output is {dtype}, so the loss is computed from "
-                f"{dtype} predictions (softmax probabilities round, "
-                "log(0) appears).",
+                f"{dtype} predictions (3 significant digits in float16; "
+                "probabilities near 0 or 1 round to them, and log(0) "
+                "appears).",
                 "end the model with keras.layers.Activation('linear', "
                 "dtype='float32'), or build it as a kmp.Model",
             ))

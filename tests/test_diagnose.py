@@ -294,3 +294,31 @@ def test_kmp_model_keeps_normalization_in_float32_and_sequential_works():
     assert {row["compute_dtype"] for row in report.layers} == {"bfloat16"}
     assert 0 < report.layer("s2")["rel_error"] < 0.05
     assert report.recommended_policy == "mixed_bfloat16"
+
+
+class _RMSScale(keras.layers.Layer):
+    def call(self, x):
+        return x / ops.sqrt(ops.mean(ops.square(x), axis=-1, keepdims=True) + 1e-8)
+
+
+def test_an_overflow_hidden_inside_a_layer_is_named():
+    # The amplifier's outputs (~4000) fit float16; their squares do not, and
+    # x / sqrt(inf) = 0 is finite but wrong.
+    with kmp.policy_scope("mixed_float16"):
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(4, name="amplifier")(inputs)
+        hidden = _RMSScale(name="rms")(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
+    model.get_layer("amplifier").kernel.assign(np.full((4, 4), 1000.0, "float32"))
+    data = (np.ones((2, 4), "float32"), np.zeros((2, 1), "float32"))
+
+    report = kmp.diagnose(model, data, loss="mse")
+
+    assert report.layer("amplifier")["max_abs_activation"] == pytest.approx(4000.0)
+    assert report.first_nonfinite is None
+    assert report.first_inaccurate["layer"] == "rms"
+    assert report.first_inaccurate["rel_error"] == pytest.approx(1.0)
+    assert report.recommended_policy != "mixed_float16"
+    assert "rms's output is 100% off float32" in report.policy_reason
+    found = {(f["check"], f["layer"]) for f in report.findings}
+    assert {("epsilon", "rms"), ("float16 math", "rms")} <= found  # the 1e-8 literal

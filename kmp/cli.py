@@ -232,36 +232,48 @@ def _cases(tf, on_gpu):
 
 
 def _benchmark(tf, device, seconds, devices):
-    """Median time of each op in each dtype, each case given seconds / 6."""
+    """Median time of each op in each dtype, within `seconds` in all.
+
+    Each op gets half the budget, and its three dtypes take turns, so a
+    machine that is busy for a moment slows all three alike.
+    """
     on_gpu = device.startswith("/GPU")
-    cases = _cases(tf, on_gpu)
-    budget = seconds / (len(cases) * len(_DTYPES))
     results = []
-    for op, shape, build in cases:
-        baseline = None
+    for op, shape, build in _cases(tf, on_gpu):
+        entries, steps = {}, {}
         for dtype in _DTYPES:
-            entry = {"op": op, "shape": shape, "dtype": dtype, "median_ms": None,
-                     "tflops": None, "runs": 0, "speedup": None, "error": None}
+            entries[dtype] = {"op": op, "shape": shape, "dtype": dtype,
+                              "median_ms": None, "tflops": None, "runs": 0,
+                              "speedup": None, "error": None}
             try:
                 with tf.device(device):
                     step, flops = build(dtype)
-                    times = _time(step, budget)
+                    step()  # Traces the function and warms up kernels; not timed.
+                steps[dtype] = step
             except Exception as error:  # noqa: BLE001 - reported per entry
+                message = f"{type(error).__name__}: {str(error).splitlines()[0]}"
                 if dtype == "float32":
                     raise _DeviceError(
-                        f"a float32 {op} on {device} failed: "
-                        f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                        f"a float32 {op} on {device} failed: {message}"
                     ) from None
-                entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-                results.append(entry)
-                continue
-            median = statistics.median(times)
-            entry.update(median_ms=median * 1e3, runs=len(times),
-                         tflops=flops / median / 1e12)
-            if dtype == "float32":
-                baseline = median
-            entry["speedup"] = baseline / median
-            results.append(entry)
+                entries[dtype]["error"] = message
+        times = {dtype: [] for dtype in steps}
+        deadline = time.perf_counter() + seconds / 2
+        while True:
+            for dtype, step in steps.items():
+                start = time.perf_counter()
+                float(step())  # Waits for the device.
+                times[dtype].append(time.perf_counter() - start)
+            if time.perf_counter() >= deadline:
+                break
+        baseline = statistics.median(times["float32"])
+        for dtype, measured in times.items():
+            median = statistics.median(measured)
+            entries[dtype].update(
+                median_ms=median * 1e3, runs=len(measured),
+                tflops=flops / median / 1e12, speedup=baseline / median,
+            )
+        results.extend(entries.values())
     notes = []
     flags = devices["cpu"]["flags"]
     if not on_gpu and not (flags["avx512_fp16"] or flags["amx_fp16"]):
@@ -272,20 +284,11 @@ def _benchmark(tf, device, seconds, devices):
             "for float16."
         )
     if not on_gpu and not (flags["avx512_bf16"] or flags["amx_bf16"]):
-        notes.append("bfloat16 has no native instructions on this CPU (no avx512_bf16 or amx_bf16).")
+        notes.append(
+            "bfloat16 has no native instructions on this CPU (no avx512_bf16 "
+            "or amx_bf16)."
+        )
     return {"device": device, "seconds": seconds, "results": results, "notes": notes}
-
-
-def _time(step, budget):
-    step()  # Traces the function and warms up kernels; not timed.
-    times = []
-    deadline = time.perf_counter() + budget
-    while True:
-        start = time.perf_counter()
-        float(step())  # Waits for the device.
-        times.append(time.perf_counter() - start)
-        if time.perf_counter() >= deadline:
-            return times
 
 
 def _format(report):
@@ -318,8 +321,8 @@ def _format(report):
     lines += ["", f'Policy "auto" -> {auto["name"]}', f"  {auto['reason']}", ""]
     bench = report["benchmark"]
     lines.append(
-        f"Benchmark on {bench['device']} ({bench['seconds']:g} s budget; median "
-        "time per op, speedup against float32)"
+        f"Benchmark on {bench['device']} ({bench['seconds']:g} s budget, dtypes "
+        "interleaved; median time per op, speedup against float32)"
     )
     rows = [["op", "shape"] + list(_DTYPES)]
     for op in dict.fromkeys(entry["op"] for entry in bench["results"]):

@@ -641,7 +641,7 @@ def _recommend_policy(target, measured, has_bf16):
     max_activation, scale, zero_share, first_nonfinite, first_inaccurate = measured
     inaccurate = (
         f"{first_inaccurate['layer']}'s output is "
-        f"{first_inaccurate['rel_error']:.0%} off float32 (compute it in float32)"
+        f"{first_inaccurate['rel_error']:.0%} off float32 (compute that layer in float32)"
         if first_inaccurate
         else None
     )
@@ -678,7 +678,7 @@ def _recommend_policy(target, measured, has_bf16):
             f"float16's range fits: no activation overflows and loss scale "
             f"{_format_scale(scale)} keeps every gradient finite"
         )
-    return fallback[0], f"{'; '.join(problems)}: {fallback[1]}"
+    return fallback[0], f"{'; '.join(problems)}; {fallback[1]}"
 
 
 def _hardware_has_bfloat16():

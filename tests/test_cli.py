@@ -77,7 +77,7 @@ def test_doctor_prints_a_readable_report():
     text = result.stdout
     assert f"kmp {kmp.__version__} | Keras {keras.__version__} | TensorFlow {tf.__version__}" in text
     assert f'Policy "auto" -> {kmp.set_policy("auto").name}' in text
-    assert "Benchmark on /CPU:0 (1 s budget" in text
+    assert "Benchmark on /CPU:0 (1 s budget, dtypes interleaved" in text
     for word in ("matmul", "conv3x3", "float32", "float16", "bfloat16", "avx512_bf16"):
         assert word in text
 

@@ -114,7 +114,17 @@ class DiagnosisReport:
         return self.first_nonfinite["direction"] if self.first_nonfinite else None
 
     def layer(self, name):
-        """Returns the per-layer dict of the layer called `name`."""
+        """Returns the per-layer dict of the layer called `name`.
+
+        Args:
+            name: String. The layer's name.
+
+        Returns:
+            A dict with the keys listed in `kmp.diagnose`'s `Returns:`.
+
+        Raises:
+            KeyError: if the report has no layer called `name`.
+        """
         for row in self.layers:
             if row["name"] == name:
                 return row
@@ -359,7 +369,7 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     reduced_pass = _Pass(reduced)
     names = [layer.name for layer in float32_pass.layers]
     rows = [_Accumulator() for _ in names]
-    gradient_magnitudes = [[] for _ in names]
+    gradient_magnitudes = []  # Every float32 gradient value, for the recommendation.
     first_nonfinite = None
     losses = {"float32": 0.0, "reduced": 0.0}
     for x, y in batches:
@@ -373,20 +383,16 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
         losses["reduced"] += loss16 / len(batches)
         for index, row in enumerate(rows):
             row.add_activations(outputs32[index], outputs16[index])
-            gradients = [g for g in output_grads32[index] + weight_grads32[index]]
+            gradients = output_grads32[index] + weight_grads32[index]
             row.add_gradients(gradients, loss_scale)
-            gradient_magnitudes[index].extend(
-                np.abs(g).ravel() for g in gradients
-            )
+            gradient_magnitudes.extend(np.abs(g).ravel() for g in gradients)
         if first_nonfinite is None:
             first_nonfinite = _first_nonfinite(
                 names, outputs16, loss16, output_grads16, weight_grads16,
                 reduced_pass,
             )
-    magnitudes = np.concatenate(
-        [m for per_layer in gradient_magnitudes for m in per_layer] or [np.zeros(0)]
-    )
-    recommended = recommend_loss_scale(magnitudes)
+    magnitudes = np.concatenate(gradient_magnitudes or [np.zeros(0)])
+    recommended = _recommend_loss_scale(magnitudes)
     underflow = _underflow_shares(magnitudes, recommended)
     layers = [
         row.result(name, layer)
@@ -415,7 +421,7 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     )
 
 
-def recommend_loss_scale(gradient_magnitudes):
+def _recommend_loss_scale(gradient_magnitudes):
     """The largest power of two at which no gradient overflows float16.
 
     ```
@@ -844,10 +850,11 @@ def _static_findings(model, reduced):
         custom = not type(user_layer).__module__.startswith("keras")
         source = _call_source(user_layer) if custom else None
         upcasts = source is not None and "float32" in source
+        syntax = ast.parse(source) if source is not None else None
         epsilon = _epsilon(user_layer)
-        if epsilon is None and source is not None:
+        if epsilon is None and syntax is not None:
             # A literal such as `+ 1e-8` in call().
-            epsilon = min(_small_constants(ast.parse(source)), default=None)
+            epsilon = min(_small_constants(syntax), default=None)
         if (
             in_float16
             and epsilon is not None
@@ -865,22 +872,20 @@ def _static_findings(model, reduced):
             ))
         if source is None:
             continue
-        tree_ = ast.parse(source)
-        for value in _large_constants(tree_):
-            if layer.compute_dtype in ("float16",):
+        for value in _large_constants(syntax):
+            if in_float16:
                 findings.append(_finding(
                     "constant", layer,
                     f"the constant {value:g} in call() overflows float16 "
                     "(largest finite: 65504) and becomes inf: `mask * -1e9` "
                     "gives NaN where the mask is 0 (0 * inf), and a fully "
                     "masked softmax row gives NaN (-inf - -inf).",
-                    "use a dtype-aware constant, e.g. "
-                    "keras.ops.convert_to_tensor(-65504, x.dtype) or "
-                    "-0.7 * float16 max, or mask with "
-                    "keras.ops.where(mask, x, x.dtype.min)",
+                    "use a constant float16 can hold, e.g. "
+                    "keras.ops.where(mask, x, -3e4), or compute this layer "
+                    "in float32 (dtype='float32')",
                 ))
         if in_float16 and not upcasts:
-            risky = _risky_calls(tree_)
+            risky = _risky_calls(syntax)
             if risky:
                 findings.append(_finding(
                     "float16 math", layer,

@@ -319,7 +319,9 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
         `compute_dtype`, `max_abs_activation`, `activation_overflow`,
         `activation_zero`, `activation_subnormal`, `max_abs_gradient`,
         `gradient_overflow`, `gradient_zero`, `gradient_subnormal`,
-        `rel_error`, `activation_nonfinite`, `gradient_nonfinite`.
+        `rel_error`, and `activation_nonfinite` and `gradient_nonfinite`
+        (whether the reduced pass's outputs, or its gradients at the loss
+        scale, were ever non-finite).
 
     Raises:
         ValueError: if `steps` < 1, `model` is not a built functional or
@@ -335,7 +337,8 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     outputs = keras.layers.Dense(1)(hidden)
     model = keras.Model(inputs, outputs)
     model.get_layer("big").kernel.assign(np.full((4, 8), 1e5))
-    report = kmp.diagnose(model, (x, y), loss="mse")
+    x, y = np.ones((2, 4)), np.zeros((2, 1))
+    report = kmp.diagnose(model, (x, y), loss="mse", policy="mixed_float16")
     print(report)               # the table
     report.first_nonfinite      # {'layer': 'big', 'tensor': 'output', 'direction': 'forward'}
     report.to_json("report.json")
@@ -384,7 +387,9 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
         for index, row in enumerate(rows):
             row.add_activations(outputs32[index], outputs16[index])
             gradients = output_grads32[index] + weight_grads32[index]
-            row.add_gradients(gradients, loss_scale)
+            row.add_gradients(
+                gradients, loss_scale, output_grads16[index] + weight_grads16[index]
+            )
             gradient_magnitudes.extend(np.abs(g).ravel() for g in gradients)
         if first_nonfinite is None:
             first_nonfinite = _first_nonfinite(
@@ -481,6 +486,7 @@ class _Accumulator:
         self.error_squared = 0.0
         self.reference_squared = 0.0
         self.activation_nonfinite = False
+        self.gradient_nonfinite = False
 
     def add_activations(self, outputs32, outputs16):
         for value32, value16 in zip(outputs32, outputs16):
@@ -492,9 +498,11 @@ class _Accumulator:
             self.error_squared += float(np.sum((value16 - value32) ** 2))
             self.reference_squared += float(np.sum(value32**2))
 
-    def add_gradients(self, gradients, scale):
+    def add_gradients(self, gradients, scale, reduced_gradients):
         for gradient in gradients:
             _merge(self.gradient, _float16_counts(gradient, scale))
+        if not all(np.all(np.isfinite(g)) for g in reduced_gradients):
+            self.gradient_nonfinite = True
 
     def result(self, name, reduced_layer):
         def share(counts, key):
@@ -520,7 +528,7 @@ class _Accumulator:
             "gradient_subnormal": share(self.gradient, "subnormal"),
             "rel_error": rel_error,
             "activation_nonfinite": self.activation_nonfinite,
-            "gradient_nonfinite": self.gradient["nonfinite"] > 0,
+            "gradient_nonfinite": self.gradient_nonfinite,
         }
 
 

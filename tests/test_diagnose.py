@@ -85,6 +85,7 @@ def test_backward_overflow_at_the_default_scale():
     assert report.direction == "backward"
     assert report.first_nonfinite["layer"] == "out"
     assert all(not row["activation_nonfinite"] for row in report.layers)
+    assert report.layer("out")["gradient_nonfinite"]
     assert report.layer("out")["gradient_overflow"] > 0
     assert report.layer("out")["max_abs_gradient"] == pytest.approx(200.0)
     # The recommendation is the brute-force answer on independent gradients.
@@ -142,7 +143,7 @@ def test_float16_counts_match_tensorflows_cast():
 @pytest.mark.parametrize("largest", [0.0, 1e-9, 0.37, 1.0, 65504.0, 65520.0, 3e8, 1e13])
 def test_recommended_scale_matches_brute_force(largest):
     gradients = np.array([largest, largest / 3, 1e-6], dtype=np.float32)
-    assert diagnose_module.recommend_loss_scale(gradients) == _brute_force_scale(
+    assert diagnose_module._recommend_loss_scale(gradients) == _brute_force_scale(
         gradients.astype(np.float64)
     )
 

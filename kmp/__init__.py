@@ -6,35 +6,44 @@ kmp.set_policy("mixed_float16")
 ```
 """
 
-import keras as _keras
+from kmp import _command
 
-if _keras.backend.backend() != "tensorflow":
-    raise ImportError(
-        "kmp needs the TensorFlow backend of Keras. Received: backend="
-        f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before "
-        "importing keras."
-    )
+# `kmp doctor` must start when TensorFlow is missing or broken, to say so
+# (kmp/_command.py); every other `import kmp` fails here as before.
+with _command.keep_import_error():
+    import keras as _keras
 
-from kmp import callbacks
-from kmp.convert import convert
-from kmp.convert import summary
-from kmp.export import export
-from kmp.export import load_model
-from kmp.loss_scale import LossScaleOptimizer
-from kmp.model import Model
-from kmp.policy import Policy
-from kmp.policy import get_policy
-from kmp.policy import policy_scope
-from kmp.policy import set_policy
+    if _keras.backend.backend() != "tensorflow":
+        raise ImportError(
+            "kmp needs the TensorFlow backend of Keras. Received: backend="
+            f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before "
+            "importing keras."
+        )
+
+    from kmp import callbacks
+    from kmp.convert import convert
+    from kmp.convert import summary
+    from kmp.diagnose import DiagnosisReport
+    from kmp.diagnose import diagnose
+    from kmp.export import export
+    from kmp.export import load_model
+    from kmp.loss_scale import LossScaleOptimizer
+    from kmp.model import Model
+    from kmp.policy import Policy
+    from kmp.policy import get_policy
+    from kmp.policy import policy_scope
+    from kmp.policy import set_policy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DiagnosisReport",
     "LossScaleOptimizer",
     "Model",
     "Policy",
     "callbacks",
     "convert",
+    "diagnose",
     "export",
     "get_policy",
     "load_model",

@@ -8,11 +8,13 @@ from keras import ops
 import kmp
 
 _PUBLIC = [
+    "DiagnosisReport",
     "LossScaleOptimizer",
     "Model",
     "Policy",
     "callbacks",
     "convert",
+    "diagnose",
     "export",
     "get_policy",
     "load_model",

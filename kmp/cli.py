@@ -1,0 +1,348 @@
+"""The `kmp` command line: `kmp doctor` (also `python -m kmp doctor`).
+
+Imports nothing heavy at module level: `kmp doctor` has to run, and say so,
+when TensorFlow is missing or broken (see kmp/_command.py).
+
+Exit codes:
+
+```
+0  everything found and measured
+2  usage error (unknown command or option, bad --seconds)
+3  TensorFlow (or Keras on the TensorFlow backend) is missing or broken
+4  no usable device: --device gpu without a GPU, or the benchmark cannot run
+```
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_NO_TENSORFLOW = 3
+EXIT_NO_DEVICE = 4
+
+# CPU flags that decide how fast 16-bit math can be on x86.
+_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "f16c", "avx512f")
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class _DeviceError(Exception):
+    """No usable device; the message says which and why."""
+
+
+def main(argv=None):
+    """Runs the `kmp` command line and returns its exit code.
+
+    Args:
+        argv: Optional list of strings, the arguments after `kmp`. Defaults
+            to `None` (`sys.argv[1:]`).
+
+    Returns:
+        The exit code: 0 ok, 2 usage error, 3 TensorFlow missing or broken,
+        4 no usable device.
+
+    Example:
+
+    ```
+    $ kmp doctor --seconds 2
+    $ python -m kmp doctor --json > doctor.json
+    ```
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed the usage or the help.
+        return EXIT_OK if exit_.code in (0, None) else EXIT_USAGE
+    if args.command != "doctor":
+        parser.print_usage(sys.stderr)
+        print("kmp: error: a command is required: doctor", file=sys.stderr)
+        return EXIT_USAGE
+    return _doctor(args)
+
+
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="kmp",
+        description="kmp: mixed precision for Keras 3 on TensorFlow.",
+        epilog="Exit codes: 0 ok, 2 usage error, 3 TensorFlow missing or "
+        "broken, 4 no usable device.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="command")
+    doctor = commands.add_parser(
+        "doctor",
+        help="versions, devices, what policy 'auto' picks, and a 16-bit benchmark",
+        description="Prints kmp, Keras and TensorFlow versions, the devices "
+        "found, the policy 'auto' resolves to and why, and a short benchmark "
+        "of a matmul and a conv in float32, float16 and bfloat16.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    doctor.add_argument(
+        "--seconds", type=_positive_seconds, default=10.0,
+        help="time budget of the benchmark in seconds (default: 10)",
+    )
+    doctor.add_argument(
+        "--device", choices=("auto", "cpu", "gpu"), default="auto",
+        help="where to benchmark: the first GPU if any (auto, the default), "
+        "the CPU, or a GPU (exit code 4 if there is none)",
+    )
+    return parser
+
+
+def _positive_seconds(text):
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of seconds. Received: {text!r}"
+        )
+    return seconds
+
+
+def _doctor(args):
+    from kmp import _command
+
+    if _command.import_error is not None:
+        error = _command.import_error
+        return _fail(
+            args, EXIT_NO_TENSORFLOW,
+            "TensorFlow is missing or broken: importing kmp failed with "
+            f"{type(error).__name__}: {error}. kmp needs TensorFlow >= 2.19 "
+            "and Keras 3 on its TensorFlow backend: `pip install tensorflow` "
+            "and KERAS_BACKEND=tensorflow (or unset).",
+        )
+    import keras
+    import tensorflow as tf
+
+    import kmp
+    from kmp import policy as policy_module
+
+    report = {
+        "kmp": kmp.__version__,
+        "keras": keras.__version__,
+        "tensorflow": tf.__version__,
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "devices": _devices(tf, policy_module),
+        "auto_policy": None,
+        "benchmark": None,
+    }
+    auto = policy_module._resolve_auto()
+    report["auto_policy"] = {"name": auto.name, "reason": auto.reason}
+    try:
+        device = _benchmark_device(tf, args.device, report["devices"])
+        report["benchmark"] = _benchmark(tf, device, args.seconds, report["devices"])
+    except _DeviceError as error:
+        return _fail(args, EXIT_NO_DEVICE, f"no usable device: {error}", report)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_format(report))
+    return EXIT_OK
+
+
+def _fail(args, code, message, report=None):
+    if args.json:
+        print(json.dumps({**(report or {}), "error": message, "exit_code": code}, indent=2))
+    print(f"kmp doctor: {message}", file=sys.stderr)
+    return code
+
+
+def _devices(tf, policy_module):
+    gpus = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        capability = details.get("compute_capability")
+        gpus.append({
+            "name": details.get("device_name", gpu.name),
+            "device": gpu.name,
+            "compute_capability": (
+                f"{capability[0]}.{capability[1]}" if capability else None
+            ),
+        })
+    flags = policy_module._cpu_flags()
+    return {
+        "gpus": gpus,
+        "tensorflow_built_with_cuda": tf.test.is_built_with_cuda(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cpu": {
+            "model": _cpu_model(),
+            "logical_cores": os.cpu_count(),
+            "flags": {flag: flag in flags for flag in _CPU_FLAGS},
+            "tensorflow_devices": len(tf.config.list_physical_devices("CPU")),
+        },
+    }
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _benchmark_device(tf, requested, devices):
+    if requested in ("auto", "gpu") and devices["gpus"]:
+        return "/GPU:0"
+    if requested == "gpu":
+        raise _DeviceError(
+            "--device gpu, but TensorFlow sees no GPU (TensorFlow built with "
+            f"CUDA: {'yes' if devices['tensorflow_built_with_cuda'] else 'no'}; "
+            f"CUDA_VISIBLE_DEVICES={devices['cuda_visible_devices']!r}). "
+            "Install a CUDA build (`pip install tensorflow[and-cuda]`) and "
+            "check `nvidia-smi`, or use --device cpu."
+        )
+    if not tf.config.list_physical_devices("CPU"):
+        raise _DeviceError("TensorFlow lists no CPU device.")
+    return "/CPU:0"
+
+
+def _cases(tf, on_gpu):
+    """(name, shape, build(dtype) -> zero-argument step) for each benchmark."""
+    n = 4096 if on_gpu else 512
+    batch, size, channels = (32, 56, 128) if on_gpu else (8, 32, 64)
+
+    def matmul(dtype):
+        a = tf.random.normal((n, n), dtype="float32")
+        a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
+        step = tf.function(lambda: tf.reduce_sum(tf.cast(tf.matmul(a, b)[:1, :1], "float32")))
+        return step, 2 * n**3
+
+    def conv(dtype):
+        x = tf.cast(tf.random.normal((batch, size, size, channels)), dtype)
+        w = tf.cast(tf.random.normal((3, 3, channels, channels)) * 0.05, dtype)
+        step = tf.function(lambda: tf.reduce_sum(
+            tf.cast(tf.nn.conv2d(x, w, 1, "SAME")[:1, :1, :1, :1], "float32")))
+        return step, 2 * batch * size * size * channels * channels * 9
+
+    return [
+        ("matmul", f"{n}x{n} @ {n}x{n}", matmul),
+        ("conv3x3", f"{batch}x{size}x{size}x{channels} -> {channels}", conv),
+    ]
+
+
+def _benchmark(tf, device, seconds, devices):
+    """Median time of each op in each dtype, within `seconds` in all.
+
+    Each op gets half the budget, and its three dtypes take turns, so a
+    machine that is busy for a moment slows all three alike.
+    """
+    on_gpu = device.startswith("/GPU")
+    results = []
+    for op, shape, build in _cases(tf, on_gpu):
+        entries, steps = {}, {}
+        for dtype in _DTYPES:
+            entries[dtype] = {"op": op, "shape": shape, "dtype": dtype,
+                              "median_ms": None, "tflops": None, "runs": 0,
+                              "speedup": None, "error": None}
+            try:
+                with tf.device(device):
+                    step, flops = build(dtype)
+                    step()  # Traces the function and warms up kernels; not timed.
+                steps[dtype] = step
+            except Exception as error:  # noqa: BLE001 - reported per entry
+                message = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                if dtype == "float32":
+                    raise _DeviceError(
+                        f"a float32 {op} on {device} failed: {message}"
+                    ) from None
+                entries[dtype]["error"] = message
+        times = {dtype: [] for dtype in steps}
+        deadline = time.perf_counter() + seconds / 2
+        while True:
+            for dtype, step in steps.items():
+                start = time.perf_counter()
+                float(step())  # Waits for the device.
+                times[dtype].append(time.perf_counter() - start)
+            if time.perf_counter() >= deadline:
+                break
+        baseline = statistics.median(times["float32"])
+        for dtype, measured in times.items():
+            median = statistics.median(measured)
+            entries[dtype].update(
+                median_ms=median * 1e3, runs=len(measured),
+                tflops=flops / median / 1e12, speedup=baseline / median,
+            )
+        results.extend(entries.values())
+    notes = []
+    flags = devices["cpu"]["flags"]
+    if not on_gpu and not (flags["avx512_fp16"] or flags["amx_fp16"]):
+        notes.append(
+            "this CPU has no native float16 arithmetic (no avx512_fp16 or "
+            "amx_fp16): TensorFlow emulates float16, and its column shows "
+            "what that emulation gives here. Loss scaling is only needed "
+            "for float16."
+        )
+    if not on_gpu and not (flags["avx512_bf16"] or flags["amx_bf16"]):
+        notes.append(
+            "bfloat16 has no native instructions on this CPU (no avx512_bf16 "
+            "or amx_bf16)."
+        )
+    return {"device": device, "seconds": seconds, "results": results, "notes": notes}
+
+
+def _format(report):
+    devices = report["devices"]
+    lines = [
+        "kmp doctor",
+        f"  kmp {report['kmp']} | Keras {report['keras']} | TensorFlow "
+        f"{report['tensorflow']} | Python {report['python']} ({report['platform']})",
+        "",
+        "Devices",
+    ]
+    if devices["gpus"]:
+        for gpu in devices["gpus"]:
+            lines.append(
+                f"  GPU {gpu['device']}: {gpu['name']}, compute capability "
+                f"{gpu['compute_capability'] or 'unknown'}"
+            )
+    else:
+        lines.append(
+            "  GPU: none found (TensorFlow built with CUDA: "
+            f"{'yes' if devices['tensorflow_built_with_cuda'] else 'no'})"
+        )
+    cpu = devices["cpu"]
+    lines.append(f"  CPU: {cpu['model'] or 'unknown'}, {cpu['logical_cores']} logical cores")
+    lines.append(
+        "       16-bit flags: "
+        + ", ".join(f"{flag} {'yes' if present else 'no'}" for flag, present in cpu["flags"].items())
+    )
+    auto = report["auto_policy"]
+    lines += ["", f'Policy "auto" -> {auto["name"]}', f"  {auto['reason']}", ""]
+    bench = report["benchmark"]
+    lines.append(
+        f"Benchmark on {bench['device']} ({bench['seconds']:g} s budget, dtypes "
+        "interleaved; median time per op, speedup against float32)"
+    )
+    rows = [["op", "shape"] + list(_DTYPES)]
+    for op in dict.fromkeys(entry["op"] for entry in bench["results"]):
+        entries = {e["dtype"]: e for e in bench["results"] if e["op"] == op}
+        row = [op, next(iter(entries.values()))["shape"]]
+        for dtype in _DTYPES:
+            entry = entries.get(dtype)
+            if entry is None or entry["error"]:
+                row.append("failed")
+            elif dtype == "float32":
+                row.append(f"{entry['median_ms']:.3g} ms")
+            else:
+                row.append(f"{entry['median_ms']:.3g} ms ({entry['speedup']:.2f}x)")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    for entry in bench["results"]:
+        if entry["error"]:
+            lines.append(f"  {entry['op']} in {entry['dtype']} failed: {entry['error']}")
+    for note in bench["notes"]:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""`kmp doctor`, run as a user runs it: as a subprocess of `python -m kmp`."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+import keras
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import _command
+from kmp import cli
+from kmp import policy as policy_module
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(args, extra_path=(), env=None, timeout=180):
+    environment = dict(os.environ)
+    environment.update(env or {})
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [*map(str, extra_path), str(_REPO), environment.get("PYTHONPATH", "")]
+    )
+    environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=environment,
+        timeout=timeout, cwd=_REPO,
+    )
+
+
+@pytest.fixture
+def broken_tensorflow(tmp_path):
+    """A directory that, first on the path, makes `import tensorflow` fail."""
+    package = tmp_path / "fake" / "tensorflow"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        'raise ImportError("simulated: TensorFlow is not installed")\n'
+    )
+    return tmp_path / "fake"
+
+
+def test_doctor_json_reports_versions_devices_auto_policy_and_speedups():
+    result = _run(["-m", "kmp", "doctor", "--json", "--seconds", "1"])
+
+    assert result.returncode == cli.EXIT_OK, result.stderr
+    report = json.loads(result.stdout)
+    assert report["kmp"] == kmp.__version__
+    assert report["keras"] == keras.__version__
+    assert report["tensorflow"] == tf.__version__
+    assert report["auto_policy"]["name"] == kmp.set_policy("auto").name
+    assert report["auto_policy"]["reason"].startswith("auto: ")
+    devices = report["devices"]
+    assert len(devices["gpus"]) == len(tf.config.list_physical_devices("GPU"))
+    flags = policy_module._cpu_flags()
+    assert devices["cpu"]["flags"] == {flag: flag in flags for flag in cli._CPU_FLAGS}
+    benchmark = report["benchmark"]
+    assert benchmark["device"] == ("/GPU:0" if devices["gpus"] else "/CPU:0")
+    assert [(e["op"], e["dtype"]) for e in benchmark["results"]] == [
+        (op, dtype) for op in ("matmul", "conv3x3")
+        for dtype in ("float32", "float16", "bfloat16")
+    ]
+    for entry in benchmark["results"]:
+        if entry["error"] is None:
+            assert entry["runs"] >= 1 and entry["median_ms"] > 0
+            assert entry["speedup"] > 0
+    assert all(e["speedup"] == 1.0 for e in benchmark["results"] if e["dtype"] == "float32")
+
+
+def test_doctor_prints_a_readable_report():
+    result = _run(["-m", "kmp", "doctor", "--seconds", "1", "--device", "cpu"])
+
+    assert result.returncode == cli.EXIT_OK, result.stderr
+    text = result.stdout
+    assert f"kmp {kmp.__version__} | Keras {keras.__version__} | TensorFlow {tf.__version__}" in text
+    assert f'Policy "auto" -> {kmp.set_policy("auto").name}' in text
+    assert "Benchmark on /CPU:0 (1 s budget, dtypes interleaved" in text
+    for word in ("matmul", "conv3x3", "float32", "float16", "bfloat16", "avx512_bf16"):
+        assert word in text
+
+
+def test_missing_tensorflow_exits_3_with_a_message(broken_tensorflow, tmp_path):
+    result = _run(["-m", "kmp", "doctor"], extra_path=[broken_tensorflow])
+
+    assert result.returncode == cli.EXIT_NO_TENSORFLOW
+    assert "TensorFlow is missing or broken" in result.stderr
+    assert "simulated: TensorFlow is not installed" in result.stderr
+    assert "Traceback" not in result.stderr
+    # The console script `kmp` (what pip writes for [project.scripts]).
+    script = tmp_path / "bin" / "kmp"
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom kmp.cli import main\nsys.exit(main())\n")
+    result = _run([str(script), "doctor", "--json"], extra_path=[broken_tensorflow])
+    assert result.returncode == cli.EXIT_NO_TENSORFLOW
+    assert json.loads(result.stdout)["exit_code"] == cli.EXIT_NO_TENSORFLOW
+    # Anywhere else `import kmp` still fails loudly, as before.
+    result = _run(["-c", "import kmp"], extra_path=[broken_tensorflow])
+    assert result.returncode == 1
+    assert "ImportError: simulated" in result.stderr
+
+
+def test_no_gpu_for_device_gpu_exits_4():
+    # CUDA_VISIBLE_DEVICES="" hides every GPU, on any machine.
+    result = _run(
+        ["-m", "kmp", "doctor", "--device", "gpu", "--json"],
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+
+    assert result.returncode == cli.EXIT_NO_DEVICE
+    report = json.loads(result.stdout)
+    assert report["exit_code"] == cli.EXIT_NO_DEVICE
+    assert report["devices"]["gpus"] == []
+    assert "no usable device: --device gpu, but TensorFlow sees no GPU" in report["error"]
+    assert "no usable device" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["cure"], ["doctor", "--seconds", "0"], ["doctor", "--seconds", "x"],
+     ["doctor", "--device", "tpu"]],
+)
+def test_usage_errors_exit_2(argv, capsys):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert "usage: kmp" in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["doctor", "--help"]) == cli.EXIT_OK
+    assert "--seconds" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "orig_argv, argv0, expected",
+    [
+        (["python", "-m", "kmp", "doctor"], "-m", True),
+        (["python", "-X", "dev", "-mkmp", "doctor"], "-m", True),
+        (["python", "-m", "kmp.cli", "doctor"], "-m", True),
+        (["python", "-m", "pytest", "-m", "kmp"], "pytest", False),
+        (["python", "script.py", "-m", "kmp"], "script.py", False),
+        (["python", "-c", "import kmp"], "-c", False),
+        (["python", "/usr/bin/kmp", "doctor"], "/usr/bin/kmp", True),
+        (["python", "/usr/bin/kmpx"], "/usr/bin/kmpx", False),
+    ],
+)
+def test_only_the_command_line_tolerates_a_broken_tensorflow(orig_argv, argv0, expected):
+    assert _command.started_as_command(orig_argv, argv0) is expected
+
+
+def test_console_script_is_declared():
+    with open(_REPO / "pyproject.toml", "rb") as file:
+        project = tomllib.load(file)["project"]
+    assert project["scripts"] == {"kmp": "kmp.cli:main"}

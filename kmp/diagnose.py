@@ -755,11 +755,23 @@ def _target_policy(model, policy):
 def _reduced_dtype(layer, target, model, keep_own_dtypes):
     if keep_own_dtypes:
         return None
-    from kmp.model import Model
-
-    if isinstance(model, Model) and isinstance(layer, policy_module.FLOAT32_LAYER_CLASSES):
+    if _computes_in_float32_in_kmp(layer, model):
         return "float32"
     return target
+
+
+def _computes_in_float32_in_kmp(layer, model):
+    """Whether a `kmp.Model` runs `layer` in float32 (kmp's list, `keep_float32`)."""
+    from kmp.model import Model
+
+    if not isinstance(model, Model):
+        return False
+    rules = (
+        policy_module._builtin_rules()
+        + policy_module._global_keep_float32
+        + getattr(model, "_kmp_keep_float32", None)
+    )
+    return rules.match(layer) is not None
 
 
 def _clone(model, dtype_for):

@@ -273,23 +273,38 @@ def test_invalid_arguments_are_named():
         kmp.diagnose(Subclassed(), data, loss="mse")
 
 
-def test_kmp_model_keeps_normalization_in_float32_and_sequential_works():
+def test_kmp_model_runs_kmp_float32_layers_in_float32_and_sequential_works():
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(4, name="dense")(inputs)
     hidden = keras.layers.LayerNormalization(name="norm")(hidden)
+    hidden = keras.layers.UnitNormalization(name="unit")(hidden)
     model = kmp.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
     data = (np.ones((2, 4), "float32"), np.zeros((2, 1), "float32"))
 
     report = kmp.diagnose(model, data, loss="mse", policy="mixed_float16")
 
+    # As inside kmp.Model: Keras' LayerNormalization keeps the compute dtype
+    # (its statistics are float32 already); kmp's list runs in float32.
     dtypes = {row["name"]: row["compute_dtype"] for row in report.layers}
-    assert dtypes == {"dense": "float16", "norm": "float32", "head": "float16"}
-    assert report.findings == []  # kmp.Model: float32 norm and outputs
+    assert dtypes == {
+        "dense": "float16", "norm": "float16", "unit": "float32", "head": "float16"
+    }
+    assert report.findings == []  # kmp.Model: float32 outputs
     assert all(layer.compute_dtype == "float32" for layer in model.layers)
 
+    # A user's keep_float32 (here from kmp.convert) is honoured too.
+    converted = kmp.convert(model, "float32", keep_float32=["head"])
+    report = kmp.diagnose(converted, data, loss="mse", policy="mixed_float16")
+    dtypes = {row["name"]: row["compute_dtype"] for row in report.layers}
+    assert dtypes["head"] == "float32" and dtypes["dense"] == "float16"
+
+    keras.utils.set_random_seed(0)
     sequential = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(3, name="s1"), keras.layers.Dense(1, name="s2")]
+        [keras.Input((4,)), keras.layers.Dense(16, name="s1"), keras.layers.Dense(8, name="s2")]
     )
+    # Many outputs of random inputs: a relative error without cancellation.
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(32, 4)).astype("float32"), np.zeros((32, 8), "float32"))
     report = kmp.diagnose(sequential, data, loss="mse", policy="mixed_bfloat16")
     assert [row["name"] for row in report.layers] == ["s1", "s2"]
     assert {row["compute_dtype"] for row in report.layers} == {"bfloat16"}

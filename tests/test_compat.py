@@ -19,6 +19,8 @@ before each run, so dropout and stochastic depth draw the same masks under
 every policy.
 """
 
+import gc
+
 import keras
 import numpy as np
 import pytest
@@ -223,7 +225,16 @@ _MODELS = {
 # comparison needs larger images and batches than this suite can afford.
 _NOT_COMPARED = {"MobileNetV3Small", "EfficientNetV2B0", "ResNet50"}
 
+# Tracing a train step of these two takes Keras 25-30 s on this 2-core CPU
+# (Keras' own time: a plain keras.Model in float32 takes as long), three
+# times each. They train eagerly instead, which runs the same layers and
+# casts, so a dtype clash fails here just the same; every other model, and
+# MobileNetV3Small among the applications, runs the traced train step.
+_EAGER = {"EfficientNetV2B0", "ResNet50"}
+
 # name -> (float32 model, data); built once, in float32, for all policies.
+# Only the model under test is kept: the suite would otherwise hold every
+# model (gigabytes, and Python's garbage collector slows all later tests).
 _BUILT = {}
 # name -> the float32 run's losses.
 _FLOAT32_LOSSES = {}
@@ -231,6 +242,8 @@ _FLOAT32_LOSSES = {}
 
 def _built(name):
     if name not in _BUILT:
+        _BUILT.clear()
+        gc.collect()
         keras.utils.set_random_seed(0)
         with kmp.policy_scope("float32"):
             _BUILT[name] = _MODELS[name]()
@@ -246,6 +259,7 @@ def _train(name, policy):
     converted.compile(
         keras.optimizers.Adam(_LEARNING_RATE),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        run_eagerly=name in _EAGER,
     )
     y = np.arange(_BATCH) % 2
     losses, calls = [], 0

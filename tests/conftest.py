@@ -1,5 +1,5 @@
 """Test set-up: TensorFlow backend, two logical CPUs, GPU memory growth, the
-`gpu` marker, and a clean policy per test."""
+`gpu` marker, a clean policy and seed per test."""
 
 import os
 
@@ -41,6 +41,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _float32_policy_around_each_test():
     kmp.set_policy("float32")
+    # Each test draws the same weights whatever ran before it in the process
+    # (pytest -n 2 hands tests to workers in varying order).
+    keras.utils.set_random_seed(0)
     yield
     kmp.set_policy("float32")
     keras.utils.clear_session()

@@ -1,4 +1,3 @@
-import collections
 import math
 
 import hypothesis
@@ -9,6 +8,7 @@ import tensorflow as tf
 from hypothesis import strategies as st
 from keras import ops
 
+from benchmarks import harness
 import kmp
 from kmp.loss_scale import LossScaleState
 from kmp.loss_scale import update_loss_scale
@@ -504,19 +504,6 @@ def test_state_survives_a_tensorflow_checkpoint(tmp_path):
     assert _state_values(restored) == _state_values(optimizer) == [8.0, 0, 0, 1, 1]
 
 
-def _apply_op_types(optimizer, variables):
-    optimizer.build(variables)
-    specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
-    concrete = tf.function(
-        lambda grads: optimizer.apply(grads, variables), autograph=False
-    ).get_concrete_function(specs)
-    graph_def = concrete.graph.as_graph_def()
-    types = collections.Counter(node.op for node in graph_def.node)
-    for function in graph_def.library.function:
-        types.update(node.op for node in function.node_def)
-    return types
-
-
 def test_a_step_checks_and_divides_each_gradient_once_like_keras():
     # Per gradient, the step does what Keras' LossScaleOptimizer does (one
     # finite check, one division, in the branch that applies) and no more
@@ -526,8 +513,8 @@ def test_a_step_checks_and_divides_each_gradient_once_like_keras():
     # branch and assembled per-variable overflow flags on every step.
     def scaling_ops(optimizer_class, count):
         variables = [keras.Variable(np.ones((3, 2), "float32")) for _ in range(count)]
-        types = _apply_op_types(optimizer_class(keras.optimizers.Adam()), variables)
-        adam = _apply_op_types(keras.optimizers.Adam(), variables)
+        types = harness.count_apply_ops(optimizer_class(keras.optimizers.Adam()), variables)
+        adam = harness.count_apply_ops(keras.optimizers.Adam(), variables)
         return types, sum(types.values()) - sum(adam.values())
 
     (kmp_types, kmp_8), (_, kmp_24) = (scaling_ops(kmp.LossScaleOptimizer, n) for n in (8, 24))

@@ -64,14 +64,16 @@ def train(epochs, steps_per_epoch):
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     checksum = sum(float(np.sum(w)) for w in model.get_weights())
-    print(
+    # One write per line: the workers share the launcher's stdout, and print()
+    # writes the text and its newline separately, so two lines could merge.
+    sys.stdout.write(
         f"worker {task['index']}: loss {history.history['loss'][-1]:.4f}, "
         f"accuracy {history.history['accuracy'][-1]:.3f}, "
         f"loss scale {float(model.optimizer.loss_scale):g}, "
         f"skipped steps {int(model.optimizer.skipped_steps)}, "
-        f"weights checksum {checksum:.6f}",
-        flush=True,
+        f"weights checksum {checksum:.6f}\n"
     )
+    sys.stdout.flush()
 
 
 def _free_ports(count):

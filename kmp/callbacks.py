@@ -19,9 +19,8 @@ import warnings
 
 import keras
 import numpy as np
-from keras.src import tree
-from keras.src.utils import io_utils
 
+from kmp import _keras_internals
 from kmp import loss_scale as loss_scale_module
 from kmp.checkpoint import BackupAndRestore
 from kmp.checkpoint import ModelCheckpoint
@@ -149,7 +148,7 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
             return
         steps, skipped = (_read_counters(optimizer) - self._counters_at_start)[:2]
         if skipped > 0:
-            io_utils.print_msg(
+            _keras_internals.print_msg(
                 f"kmp: {skipped} of {steps} training steps were skipped because "
                 "their gradients were not finite; the loss scale is now "
                 f"{_format_scale(optimizer.loss_scale)}. Add "
@@ -163,7 +162,7 @@ def _has_monitor(callbacks):
         callbacks = callbacks.callbacks
     return any(
         isinstance(c, LossScaleMonitor)
-        for c in (tree.flatten(callbacks) if callbacks else [])
+        for c in (keras.tree.flatten(callbacks) if callbacks else [])
     )
 
 
@@ -191,7 +190,7 @@ def _with_readable_progbar(callbacks, verbose):
     """
     if verbose == 0 or isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
-    callbacks = list(tree.flatten(callbacks)) if callbacks else []
+    callbacks = list(keras.tree.flatten(callbacks)) if callbacks else []
     if any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
         return callbacks
     return callbacks + [_ProgbarLogger(report_skips=not _has_monitor(callbacks))]
@@ -431,7 +430,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._last_names = []
         if self._optimizer is None:
             if self.verbose:
-                io_utils.print_msg(
+                _keras_internals.print_msg(
                     "LossScaleMonitor: the optimizer does not scale the loss "
                     f"(compute dtype {self.model.dtype_policy.compute_dtype}), "
                     "so no step can be skipped; nothing to monitor."
@@ -616,7 +615,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         # Printed at the next epoch's start or at the end of training, once
         # the progress bar (the last callback) has finished its line.
         for line in self._pending_lines:
-            io_utils.print_msg(line)
+            _keras_internals.print_msg(line)
         for message in self._pending_warnings:
             warnings.warn(message, stacklevel=3)
         self._pending_lines = []

@@ -41,8 +41,8 @@ import re
 import warnings
 
 import keras
-from keras.src.utils import file_utils
-from keras.src.utils import io_utils
+
+from kmp import _keras_internals
 
 _BACKUP_PATTERN = re.compile(r"^backup-(\d+)\.weights\.h5$")
 _PARTIAL_MARK = ".partial"
@@ -93,7 +93,7 @@ def write_atomically(filepath, write):
     ```
     """
     filepath = str(filepath)
-    if file_utils.is_remote_path(filepath):
+    if _keras_internals.is_remote_path(filepath):
         # Object stores publish an object only once it is fully uploaded.
         write(filepath)
         return filepath
@@ -412,6 +412,6 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             write = lambda path: self.model.save(path, overwrite=True)  # noqa: E731
         write_atomically(filepath, write)
         if self.verbose > 0:
-            io_utils.print_msg(
+            _keras_internals.print_msg(
                 f"\nEpoch {epoch + 1}: finished saving model to {filepath}"
             )

@@ -4,8 +4,8 @@ import contextlib
 import warnings
 
 import keras
-from keras.src.models.functional import Functional
 
+from kmp import _keras_internals
 from kmp import model as model_module
 from kmp import policy as policy_module
 
@@ -90,12 +90,12 @@ def _rebuild(model, source, target):
     try:
         clone = type(model).from_config(_repolicied(config, source, target))
     except Exception:
-        if not isinstance(model, Functional):
+        if not isinstance(model, _keras_internals.Functional):
             raise
         # A functional subclass whose __init__ does not take its config:
         # its graph is rebuilt as a plain functional model.
-        config = Functional.get_config(model)
-        clone = Functional.from_config(_repolicied(config, source, target))
+        config = _keras_internals.Functional.get_config(model)
+        clone = _keras_internals.Functional.from_config(_repolicied(config, source, target))
     if model.built and not clone.built:
         clone.build_from_config(model.get_build_config())
     if model.weights:
@@ -175,9 +175,9 @@ def _switched_policy(model, policy):
 
 def _as_kmp_model(clone):
     """A functional `kmp.Model` over `clone`'s graph, or a wrapper if it has none."""
-    if isinstance(clone, model_module.Model) and isinstance(clone, Functional):
+    if isinstance(clone, model_module.Model) and isinstance(clone, _keras_internals.Functional):
         return clone
-    if isinstance(clone, Functional):
+    if isinstance(clone, _keras_internals.Functional):
         return model_module.Model(clone.input, clone.output, name=clone.name)
     if isinstance(clone, keras.Sequential) and clone.built:
         try:
@@ -281,7 +281,7 @@ def convert(model, policy=None, keep_float32=None, compile=True):
         )
     source = getattr(model.dtype_policy, "name", None)
     with _keras_policy(target.name):
-        if isinstance(model, (Functional, keras.Sequential)):
+        if isinstance(model, (_keras_internals.Functional, keras.Sequential)):
             converted = _as_kmp_model(_rebuild(model, source, target.name))
         else:
             try:

@@ -16,8 +16,8 @@ import textwrap
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import tree
 
+from kmp import _keras_internals
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
 
@@ -579,10 +579,10 @@ class _Pass:
         with tf.GradientTape() as tape:
             layer_outputs, model_outputs = self.extractor(x, training=False)
             layer_outputs = [
-                [t for t in tree.flatten(o) if _is_float(t)] for o in layer_outputs
+                [t for t in keras.tree.flatten(o) if _is_float(t)] for o in layer_outputs
             ]
-            predictions = [tf.cast(t, "float32") for t in tree.flatten(model_outputs)]
-            targets = tree.flatten(y)
+            predictions = [tf.cast(t, "float32") for t in keras.tree.flatten(model_outputs)]
+            targets = keras.tree.flatten(y)
             if len(targets) != len(predictions) or len(loss_fns) != len(predictions):
                 raise ValueError(
                     f"The model has {len(predictions)} output(s); `data` gave "
@@ -706,7 +706,7 @@ def _hardware_has_bfloat16():
 
 
 def _check_model(model):
-    functional = getattr(keras.src.models.functional, "Functional")
+    functional = _keras_internals.Functional
     if not isinstance(model, (functional, keras.Sequential)):
         raise ValueError(
             "`model` must be a functional or Sequential keras.Model (diagnose "
@@ -1003,7 +1003,7 @@ def _output_findings(model, reduced):
     if isinstance(model, Model):
         return []  # kmp.Model casts its outputs to float32.
     findings = []
-    for tensor in tree.flatten(reduced.outputs):
+    for tensor in keras.tree.flatten(reduced.outputs):
         dtype = keras.backend.standardize_dtype(tensor.dtype)
         if dtype != "float32":
             layer = tensor._keras_history.operation

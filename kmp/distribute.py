@@ -27,8 +27,8 @@ shapes and dtypes matter, so no collective is needed) and, under
 which reduce all the step's logs in one collective.
 """
 
+import keras
 import tensorflow as tf
-from keras.src import tree
 
 # The logs that every replica computes identically (they come from the loss
 # scaler's state, which is decided on all-reduced gradients): they need no
@@ -100,7 +100,7 @@ def local_data_batch(strategy, data_batch):
             return strategy.experimental_local_results(value)[0]
         return value
 
-    return tree.map_structure(local, data_batch)
+    return keras.tree.map_structure(local, data_batch)
 
 
 def reduce_logs(logs, strategy):
@@ -111,9 +111,9 @@ def reduce_logs(logs, strategy):
     to its own shape and dtype. Logs in `_REPLICA_INVARIANT_LOGS` are read
     from the first local replica: they are the same everywhere.
     """
-    flat = tree.flatten(logs)
+    flat = keras.tree.flatten(logs)
     local_first = [strategy.experimental_local_results(v)[0] for v in flat]
-    paths = [path for path, _ in tree.flatten_with_path(logs)]
+    paths = [path for path, _ in keras.tree.flatten_with_path(logs)]
     to_reduce = [
         i
         for i, path in enumerate(paths)
@@ -136,7 +136,7 @@ def reduce_logs(logs, strategy):
             value = tf.reshape(packed[offset : offset + size], local_first[i].shape)
             results[i] = tf.cast(value, local_first[i].dtype)
             offset += size
-    return tree.pack_sequence_as(logs, results)
+    return keras.tree.pack_sequence_as(logs, results)
 
 
 def make_multi_worker_function(model, step_function):

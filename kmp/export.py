@@ -20,8 +20,8 @@ import os
 import zipfile
 
 import keras
-from keras.src.export.export_utils import get_input_signature
 
+from kmp import _keras_internals
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
 from kmp.model import _computes_in_float16
@@ -210,7 +210,7 @@ def export(
         # plain keras.Model under a 16-bit policy would otherwise serve
         # 16-bit outputs.
         if input_signature is None:
-            input_signature = get_input_signature(model)
+            input_signature = _keras_internals.get_input_signature(model)
 
         def serve(*args, **call_kwargs):
             return _to_float32(model(*args, **call_kwargs))

@@ -18,7 +18,8 @@ import threading
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.utils import tracking
+
+from kmp import _keras_internals
 
 LossScaleState = collections.namedtuple(
     "LossScaleState", ["loss_scale", "good_steps", "hysteresis_left", "skipped_steps"]
@@ -471,7 +472,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # then does a traced step record which variables overflowed.
         self._monitored = False
 
-    @tracking.no_automatic_dependency_tracking
+    @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
         # Every replica computes the same values, so any replica's will do.
         # Only float32 and int64 variables: TensorFlow keeps int32 resource

@@ -6,12 +6,8 @@ import warnings
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src import tree
-from keras.src.losses import loss as keras_loss_module
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
-from keras.src.trainers.data_adapters import data_adapter_utils
 
+from kmp import _keras_internals
 from kmp import distribute as distribute_module
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
@@ -31,7 +27,7 @@ def _to_float32(outputs):
             return ops.cast(x, "float32")
         return x
 
-    return tree.map_structure(cast, outputs)
+    return keras.tree.map_structure(cast, outputs)
 
 
 def _computes_in_float16(model):
@@ -97,7 +93,7 @@ def _inject_functional(cls):
     """
     if cls is Model:
         return FunctionalModel
-    if cls is object or not issubclass(cls, Model) or issubclass(cls, Functional):
+    if cls is object or not issubclass(cls, Model) or issubclass(cls, _keras_internals.Functional):
         return cls
     cls.__bases__ = tuple(_inject_functional(base) for base in cls.__bases__)
     return cls
@@ -140,17 +136,17 @@ class Model(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is Model and functional_init_arguments(args, kwargs):
+        if cls is Model and _keras_internals.functional_init_arguments(args, kwargs):
             cls = FunctionalModel
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
-        if functional_init_arguments(args, kwargs):
+        if _keras_internals.functional_init_arguments(args, kwargs):
             # Never through keras.Model.__init__, which rewrites class bases
             # up to keras.Model (see `_inject_functional`).
             _inject_functional(type(self))
-            keras.src.models.model.Trainer.__init__(self)
-            Functional.__init__(self, *args, **kwargs)
+            _keras_internals.Trainer.__init__(self)
+            _keras_internals.Functional.__init__(self, *args, **kwargs)
         else:
             super().__init__(*args, **kwargs)
 
@@ -244,7 +240,7 @@ class Model(keras.Model):
         optimizer = self.optimizer
         if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
             return super().train_step(data)
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
@@ -257,9 +253,9 @@ class Model(keras.Model):
                 "float32",
             )
             self._loss_tracker.update_state(
-                keras_loss_module.unscale_loss_for_distribution(loss),
+                _keras_internals.unscale_loss_for_distribution(loss),
                 sample_weight=tf.shape(
-                    next(i for i in tree.flatten(x) if i is not None)
+                    next(i for i in keras.tree.flatten(x) if i is not None)
                 )[0],
             )
             scaled_loss = optimizer.scale_loss(loss)
@@ -290,7 +286,7 @@ class Model(keras.Model):
             logs[_MONITOR_LOG_PREFIX + "counters"] = counters
             logs[_MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
             logs[_MONITOR_LOG_PREFIX + "loss"] = (
-                keras_loss_module.unscale_loss_for_distribution(loss)
+                _keras_internals.unscale_loss_for_distribution(loss)
             )
         return logs
 
@@ -382,5 +378,5 @@ class Model(keras.Model):
 
 
 @keras.saving.register_keras_serializable(package="kmp", name="FunctionalModel")
-class FunctionalModel(Model, Functional):
+class FunctionalModel(Model, _keras_internals.Functional):
     """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model."""

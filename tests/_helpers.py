@@ -1,4 +1,5 @@
-"""Helpers the tests share: child-process environments and float16 tolerances.
+"""Helpers the tests share: child-process environments, float16 tolerances and
+a layer that records the dtype it is handed.
 
 Imported as `from _helpers import ...`: pytest puts `tests/` on `sys.path`
 because `tests/conftest.py` lives there and `tests/` is not a package.
@@ -6,6 +7,7 @@ because `tests/conftest.py` lives there and `tests/` is not a package.
 
 import os
 
+import keras
 import numpy as np
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,3 +121,17 @@ def assert_close_to_float16_rounding(actual, expected, *, roundings, dtype="floa
         err_msg=f"more than {roundings} {dtype} roundings apart",
         **tolerance,
     )
+
+
+@keras.saving.register_keras_serializable(package="kmp_tests")
+class DtypeProbe(keras.layers.Layer):
+    """Records the dtype it is handed, without casting it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._convert_input_args = False
+        self.seen = []
+
+    def call(self, x):
+        self.seen.append(keras.backend.standardize_dtype(x.dtype))
+        return x

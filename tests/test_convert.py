@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 
+from _helpers import DtypeProbe
 import kmp
 from kmp.convert import _WrappedModel
 from kmp.model import FunctionalModel
@@ -28,25 +29,11 @@ class Recorder(keras.layers.Layer):
         return x * 2.0
 
 
-@keras.saving.register_keras_serializable(package="kmp_tests")
-class Probe(keras.layers.Layer):
-    """Records the dtype it is handed, without casting it."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._convert_input_args = False
-        self.seen = []
-
-    def call(self, x):
-        self.seen.append(_dtype(x))
-        return x
-
-
 def _functional(head_dtype=None):
     inputs = keras.Input((4,), name="features")
     hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
     hidden = keras.layers.LayerNormalization(name="norm")(hidden)
-    hidden = Probe(name="after_recorder")(Recorder(name="recorder")(hidden))
+    hidden = DtypeProbe(name="after_recorder")(Recorder(name="recorder")(hidden))
     outputs = keras.layers.Dense(3, name="head", dtype=head_dtype)(hidden)
     return keras.Model(inputs, outputs, name="net")
 
@@ -236,7 +223,7 @@ def test_keep_float32_on_a_composite_layer_puts_its_sublayers_in_float32():
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((3, 4))
     attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=2, name="attn")
-    probe = Probe()
+    probe = DtypeProbe()
     hidden = keras.layers.Dense(4)(inputs)
     outputs = probe(attention(hidden, hidden) + hidden)
     model = kmp.Model(inputs, outputs)

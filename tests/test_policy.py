@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from _helpers import DtypeProbe
 import kmp
 from kmp import policy as policy_module
 
@@ -140,19 +141,6 @@ def test_cpu_flags_parses_cpuinfo(tmp_path):
     assert policy_module._cpu_flags(str(tmp_path / "missing")) == set()
 
 
-class _DtypeProbe(keras.layers.Layer):
-    """Records the dtype of what it receives, without casting it."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._convert_input_args = False
-        self.seen = []
-
-    def call(self, x):
-        self.seen.append(keras.backend.standardize_dtype(x.dtype))
-        return x
-
-
 _KERAS_FLOAT32_MATH_LAYERS = [
     lambda: keras.layers.BatchNormalization(),
     lambda: keras.layers.LayerNormalization(),
@@ -171,7 +159,7 @@ def test_layers_keras_keeps_accurate_are_left_as_keras_made_them(make_layer):
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(4)(inputs)
     special = make_layer()
-    probe = _DtypeProbe()
+    probe = DtypeProbe()
     outputs = keras.layers.Dense(2)(probe(special(hidden)))
     model = kmp.Model(inputs, outputs)
     result = model(np.ones((3, 4), "float32"))
@@ -196,7 +184,7 @@ def test_16_bit_softmax_sums_in_float32_so_kmp_leaves_it_alone(dtype, jit_compil
 
 def _unit_normalization_model():
     inputs = keras.Input((64,))
-    probe = _DtypeProbe()
+    probe = DtypeProbe()
     outputs = probe(keras.layers.UnitNormalization()(inputs))
     return inputs, outputs, probe
 
@@ -230,7 +218,7 @@ def test_normalization_computes_in_float32_and_hands_float16_on():
         inputs = keras.Input((1,))
         normalization = keras.layers.Normalization()
         normalization.adapt(x)
-        probe = _DtypeProbe()
+        probe = DtypeProbe()
         return model_class(inputs, probe(normalization(inputs))), probe
 
     keras_model, _ = build(keras.Model)
@@ -295,7 +283,7 @@ def test_set_policy_keep_float32_checks_its_entries_and_changes_nothing_on_error
     assert kmp.get_policy().name == "mixed_bfloat16"
     inputs = keras.Input((4,))
     dense = keras.layers.Dense(2)
-    probe = _DtypeProbe()
+    probe = DtypeProbe()
     model = kmp.Model(inputs, probe(dense(inputs)))
     model(np.ones((1, 4), "float32"))
     assert probe.seen[-1] == "bfloat16"  # float32 inside, bfloat16 handed on

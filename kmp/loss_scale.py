@@ -2,24 +2,47 @@
 
 One order of operations, here and nowhere else:
 
-    scale loss -> gradients -> finite check -> unscale -> clip the unscaled
-    gradients -> apply or skip -> update the scale
+    scale loss -> gradients -> sum over replicas -> finite check -> unscale ->
+    clip the unscaled gradients -> apply or skip -> update the scale
 
 (The finite check reads the scaled gradients: for a scale >= 1 dividing by
 it cannot change which values are finite. With `min_scale < 1` the gradients
-are unscaled first.)
+are unscaled first.) The rule is one pure function, `update_loss_scale`; the
+optimizer keeps its state and runs the step. Gradient helpers live in
+`kmp/_gradients.py`, replica handling in `kmp/_replicas.py`, gradient
+accumulation in `kmp/_accumulation.py`, and how a step's gradients were
+made (scaled or not) in `kmp/_loss_record.py`.
+
+Gradients of a loss that was not scaled are never divided. Where a
+`tf.GradientTape` computed the gradients and `scale_loss` did not run for the
+optimizer in that step (a custom `train_step` or loop that forgot it), they
+are applied as they are, non-finite steps are still skipped, and one warning
+names the line to add. Gradients made without a tape are taken to be scaled
+by hand, as Keras takes them.
+
+With an inner optimizer built with `gradient_accumulation_steps=n`, each
+micro-batch is unscaled and summed by the inner optimizer, and the step is
+decided once per window: a window with an overflow anywhere is discarded
+whole and counted once, and the scale changes only between windows. Clip on
+the inner optimizer then.
 """
 
 import collections
 import math
 import numbers
-import threading
+import warnings
 
 import keras
 import tensorflow as tf
 from keras import ops
 
+from kmp import _accumulation
+from kmp import _gradients
 from kmp import _keras_internals
+from kmp import _loss_record
+from kmp import _replicas
+from kmp._gradients import all_finite  # noqa: F401  (public in this module)
+from kmp._gradients import clip_gradients  # noqa: F401  (public in this module)
 
 LossScaleState = collections.namedtuple(
     "LossScaleState", ["loss_scale", "good_steps", "hysteresis_left", "skipped_steps"]
@@ -135,102 +158,57 @@ _COUNTERS = (
     "consecutive_forward_overflows",
 )
 
+# One step's decision, the same on every replica: whether the gradients are
+# finite, whether the unscaled loss is, and (only while a monitor watches)
+# int64 flags of the variables whose gradient is not.
+_Decision = collections.namedtuple("_Decision", ["finite", "loss_finite", "nonfinite_gradients"])
 
-def _map_gradient(fn, gradient):
-    """Applies `fn` to a dense gradient or to the values of a sparse one."""
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            fn(gradient.values), gradient.indices, gradient.dense_shape
-        )
-    return fn(gradient)
-
-
-def _values(gradient):
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-
-
-def all_finite(gradients):
-    """Returns a boolean scalar: whether every gradient is free of inf and NaN.
-
-    Args:
-        gradients: List of tensors (dense or `tf.IndexedSlices`); `None`
-            entries are ignored.
-
-    Returns:
-        Boolean scalar tensor.
-    """
-    return _all_true(_finite_flags(gradients))
+_UNSCALED_WARNING = (
+    "kmp.LossScaleOptimizer '{name}' received gradients of a loss that was "
+    "not scaled: a GradientTape computed them, but `scale_loss` did not run "
+    "for this optimizer in this step. They are applied as they are (not "
+    "divided by the loss scale) and non-finite steps are still skipped, but "
+    "small float16 gradients can underflow to zero. Add one line inside the "
+    "tape, before `tape.gradient`: `loss = optimizer.scale_loss(loss)`."
+)
 
 
-def _finite_flags(gradients):
-    """One boolean scalar per gradient (`None` for a missing gradient)."""
-    return [
-        None if g is None else ops.all(ops.isfinite(_values(g))) for g in gradients
-    ]
+_RULE_SETTINGS = ("dynamic", "growth_factor", "backoff_factor", "growth_interval",
+                  "hysteresis", "min_scale", "max_scale")
 
 
-def _all_true(flags):
-    flags = [f for f in flags if f is not None]
-    if not flags:
-        return ops.convert_to_tensor(True)
-    return ops.all(ops.stack(flags))
+def _next_state(loss_scale, counters, decision, rule):
+    """The scale and every counter after one step (a pure function).
 
-
-def _squared_norm(gradient):
-    return ops.sum(ops.square(ops.cast(_values(gradient), "float32")))
-
-
-def clip_gradients(gradients, clipvalue=None, clipnorm=None, global_clipnorm=None):
-    """Clips gradients by value, then by per-tensor or global norm.
-
-    Both kinds of clipping only shrink values, so the result meets every
-    bound that was asked for. `None` entries pass through.
-
-    Args:
-        gradients: List of tensors (dense or `tf.IndexedSlices`) or `None`.
-        clipvalue: Optional float > 0. Each element is clipped to
-            `[-clipvalue, clipvalue]`.
-        clipnorm: Optional float > 0. Each tensor whose L2 norm exceeds it is
-            rescaled to that norm.
-        global_clipnorm: Optional float > 0. All tensors are rescaled together
-            when their joint L2 norm exceeds it.
+    `update_loss_scale` for the rule's state, plus the diagnostics the
+    monitor reads: a forward overflow is a skip whose unscaled loss itself
+    was not finite (broken data or model; a lower scale cannot help); any
+    other skip is a backward overflow (the scale was too high).
 
     Returns:
-        The list of clipped gradients.
+        `(loss_scale, counters)`: the float32 scale and a dict of int64
+        scalars keyed by `_COUNTERS`.
     """
-    if clipvalue is not None:
-        gradients = [
-            None
-            if g is None
-            else _map_gradient(lambda v: ops.clip(v, -clipvalue, clipvalue), g)
-            for g in gradients
-        ]
-    if clipnorm is not None:
-        gradients = [
-            None
-            if g is None
-            else _map_gradient(
-                lambda v: v
-                * ops.cast(
-                    clipnorm / ops.maximum(ops.sqrt(_squared_norm(v)), clipnorm),
-                    v.dtype,
-                ),
-                g,
-            )
-            for g in gradients
-        ]
-    if global_clipnorm is not None:
-        present = [g for g in gradients if g is not None]
-        if present:
-            norm = ops.sqrt(ops.sum(ops.stack([_squared_norm(g) for g in present])))
-            factor = global_clipnorm / ops.maximum(norm, global_clipnorm)
-            gradients = [
-                None
-                if g is None
-                else _map_gradient(lambda v: v * ops.cast(factor, v.dtype), g)
-                for g in gradients
-            ]
-    return gradients
+    state = update_loss_scale(
+        LossScaleState(loss_scale, counters["good_steps"], counters["hysteresis_left"],
+                       counters["skipped_steps"]),
+        decision.finite,
+        **rule,
+    )
+    skipped = ops.logical_not(ops.cast(decision.finite, "bool"))
+    forward = ops.logical_and(skipped, ops.logical_not(decision.loss_finite))
+    counters = dict(
+        counters,
+        good_steps=state.good_steps,
+        hysteresis_left=state.hysteresis_left,
+        skipped_steps=state.skipped_steps,
+        forward_overflows=counters["forward_overflows"] + ops.cast(forward, "int64"),
+        consecutive_skips=ops.where(skipped, counters["consecutive_skips"] + 1, 0),
+        consecutive_forward_overflows=ops.where(
+            forward, counters["consecutive_forward_overflows"] + 1, 0
+        ),
+    )
+    return state.loss_scale, {name: ops.cast(v, "int64") for name, v in counters.items()}
 
 
 def _check_number(name, value, *, allow_none=False, rule="a finite number > 0",
@@ -244,51 +222,46 @@ def _check_number(name, value, *, allow_none=False, rule="a finite number > 0",
         or not predicate(value)
     ):
         none_note = " or None" if allow_none else ""
-        raise ValueError(
-            f"`{name}` must be {rule}{none_note}. Received: {name}={value!r}"
-        )
+        raise ValueError(f"`{name}` must be {rule}{none_note}. Received: {name}={value!r}")
 
 
 def _check_integer(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
+
+
+def _check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growth_interval,
+                    hysteresis, min_scale, max_scale, clipnorm, global_clipnorm, clipvalue,
+                    enabled):
+    """Raises `ValueError` naming the first argument that breaks its rule."""
+    for arg, value in (
+        ("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)
+    ):
+        _check_number(arg, value)
+    if not min_scale <= initial_scale <= max_scale:
         raise ValueError(
-            f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
+            "The scales must satisfy `min_scale <= initial_scale <= max_scale`. "
+            f"Received: min_scale={min_scale!r}, initial_scale={initial_scale!r}, "
+            f"max_scale={max_scale!r}"
         )
-
-
-def _zero_where(condition, gradients):
-    """`gradients`, with zeros in place of every value when `condition` is true."""
-    return [
-        None
-        if g is None
-        else _map_gradient(lambda t: ops.where(condition, ops.zeros_like(t), t), g)
-        for g in gradients
-    ]
-
-
-def _can_skip_inner_all_reduce(inner_optimizer):
-    """Whether `inner_optimizer`'s own all-reduce can be turned off (see
-    `LossScaleOptimizer._apply_inner`): Keras' TensorFlow optimizers do it in
-    `_all_reduce_sum_gradients`. Should Keras rename it, kmp falls back to
-    dividing the summed gradients by the number of replicas."""
-    return callable(getattr(type(inner_optimizer), "_all_reduce_sum_gradients", None))
-
-
-_gradients_already_reduced = threading.local()
-
-
-def _install_all_reduce_switch(inner_optimizer):
-    """Makes `inner_optimizer` skip its all-reduce while kmp applies with it."""
-    if "_all_reduce_sum_gradients" in vars(inner_optimizer):
-        return
-    keras_all_reduce = inner_optimizer._all_reduce_sum_gradients
-
-    def all_reduce_sum_gradients(grads_and_vars):
-        if getattr(_gradients_already_reduced, "active", False):
-            return list(grads_and_vars)
-        return keras_all_reduce(grads_and_vars)
-
-    inner_optimizer._all_reduce_sum_gradients = all_reduce_sum_gradients
+    for arg, value in (("dynamic", dynamic), ("enabled", enabled)):
+        if not isinstance(value, bool):
+            raise ValueError(f"`{arg}` must be True or False. Received: {arg}={value!r}")
+    _check_number("growth_factor", growth_factor, rule="a finite number > 1",
+                  predicate=lambda v: v > 1)
+    _check_number("backoff_factor", backoff_factor,
+                  rule="a number with 0 < backoff_factor < 1", predicate=lambda v: 0 < v < 1)
+    _check_integer("growth_interval", growth_interval, 1)
+    _check_integer("hysteresis", hysteresis, 1)
+    for arg, value in (
+        ("clipnorm", clipnorm), ("global_clipnorm", global_clipnorm), ("clipvalue", clipvalue)
+    ):
+        _check_number(arg, value, allow_none=True)
+    if clipnorm is not None and global_clipnorm is not None:
+        raise ValueError(
+            "At most one of `clipnorm` and `global_clipnorm` can be set. "
+            f"Received: clipnorm={clipnorm!r}, global_clipnorm={global_clipnorm!r}"
+        )
 
 
 def _resolve_inner_optimizer(inner_optimizer):
@@ -311,20 +284,33 @@ def _resolve_inner_optimizer(inner_optimizer):
     return inner_optimizer
 
 
+def _add_state_variable(optimizer, name, shape, dtype, initial):
+    # aggregation="none", as Keras' own scaler: every replica computes the
+    # same value and writes its own copy, with no merge_call (see
+    # kmp/_replicas.py). Only float32 and int64: TensorFlow keeps int32
+    # resource variables in host memory on a GPU, where XLA cannot read them.
+    return optimizer.add_variable(
+        shape=shape,
+        dtype=dtype,
+        initializer=keras.initializers.Constant(initial),
+        aggregation="none",
+        name=name,
+    )
+
+
 @keras.saving.register_keras_serializable(package="kmp")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """An optimizer that scales the loss, skips non-finite steps and clips.
 
     It wraps any Keras optimizer. `scale_loss(loss)` multiplies the loss by
     the current scale so that small float16 gradients do not underflow;
-    `apply(grads, variables)` and `apply_gradients(grads_and_vars)` take the
-    resulting **scaled** gradients and run, once per step:
+    `apply(grads, variables)` and `apply_gradients(grads_and_vars)` then run,
+    once per step:
 
     ```
     grads = all_reduce_sum(grads)            # under a tf.distribute strategy
-    finite = all(isfinite(g) for g in grads) # on the scaled gradients: same
-                                             # answer as on unscaled ones for a
-                                             # scale >= 1, and on every replica
+    finite = all(isfinite(g) for g in grads) # on the summed gradients, so
+                                             # every replica decides alike
     if finite:
         grads = grads / loss_scale           # unscale
         grads = clip(grads)                  # clipvalue, then clipnorm or
@@ -337,28 +323,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     One finite check and one division per gradient, as Keras'
     LossScaleOptimizer; the division happens only on a step that is applied.
     With `min_scale < 1` the gradients are unscaled before the check (a
-    division by less than 1 can overflow). The scale and every counter are
-    a float32 variable and one int64 vector variable: checkpoints and
-    `.keras` files carry them, and nothing kmp adds lives in host memory on
-    a GPU.
+    division by less than 1 can overflow).
 
     With `dynamic=True` the scale follows the Megatron-LM rule: after
     `hysteresis` consecutive non-finite steps it is multiplied by
     `backoff_factor`, and after `growth_interval` consecutive finite steps by
     `growth_factor`, always clamped to `[min_scale, max_scale]`. With
     `dynamic=False` the scale stays fixed but non-finite steps are still
-    skipped and counted.
+    skipped and counted. Under a bfloat16 or float32 policy it works the same
+    way (powers of two scale exactly); `enabled=False` makes it a
+    pass-through with no change to the code around it.
 
-    With an inner optimizer built with `gradient_accumulation_steps=n`, each
-    micro-batch's gradients are checked and unscaled before the inner
-    optimizer sums them; an overflow in any micro-batch discards the whole
-    accumulated step (counted once in `skipped_steps`, and no inf or NaN
-    enters the accumulators), and the scale changes only after a window's
-    last micro-batch (see `_accumulate`). Clip on the inner optimizer then.
+    Gradients that a `tf.GradientTape` took of a loss that did not go
+    through `scale_loss` are never divided by the scale; gradient
+    accumulation is decided once per window (see this module's docstring).
 
-    It is a subclass of `keras.optimizers.LossScaleOptimizer`, so Keras'
-    `fit` on a plain `keras.Model` calls `scale_loss` and `apply_gradients`
-    and does not wrap it a second time.
+    The scale and the counters are variables that checkpoints and `.keras`
+    files carry. As a subclass of `keras.optimizers.LossScaleOptimizer`,
+    Keras' `fit` on a plain `keras.Model` uses it as it is.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer` instance or name (e.g.
@@ -381,6 +363,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             unscaled gradients. Defaults to `None`.
         clipvalue: Optional float > 0. Element-wise clip of the unscaled
             gradients, applied before any norm clip. Defaults to `None`.
+        enabled: Bool. `False` turns the optimizer into a pass-through:
+            `scale_loss` returns the loss unchanged, `apply` hands the
+            gradients to the inner optimizer as they are (nothing is checked
+            or skipped) and `loss_scale` reads 1. Its variables still exist,
+            so checkpoints keep one layout. Defaults to `True`.
         name: Optional string. The optimizer's name.
 
     Raises:
@@ -393,7 +380,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> optimizer = kmp.LossScaleOptimizer("sgd", initial_scale=8.0,
     ...                                    growth_interval=2)
     >>> w = keras.Variable([1.0])
-    >>> optimizer.apply([ops.array([8.0 * 0.5])], [w])  # scaled gradient
+    >>> with tf.GradientTape() as tape:
+    ...     loss = optimizer.scale_loss(0.5 * w[0])
+    >>> optimizer.apply(tape.gradient(loss, [w]), [w])
     >>> round(float(w[0]), 6), float(optimizer.loss_scale)
     (0.995, 8.0)
     >>> optimizer.apply([ops.array([float("inf")])], [w])  # skipped
@@ -416,107 +405,48 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         clipnorm=None,
         global_clipnorm=None,
         clipvalue=None,
+        enabled=True,
         name=None,
     ):
         inner_optimizer = _resolve_inner_optimizer(inner_optimizer)
-        for arg, value in (
-            ("initial_scale", initial_scale),
-            ("min_scale", min_scale),
-            ("max_scale", max_scale),
-        ):
-            _check_number(arg, value)
-        if not min_scale <= initial_scale <= max_scale:
-            raise ValueError(
-                "The scales must satisfy `min_scale <= initial_scale <= "
-                f"max_scale`. Received: min_scale={min_scale!r}, "
-                f"initial_scale={initial_scale!r}, max_scale={max_scale!r}"
-            )
-        if not isinstance(dynamic, bool):
-            raise ValueError(f"`dynamic` must be True or False. Received: dynamic={dynamic!r}")
-        _check_number("growth_factor", growth_factor, rule="a finite number > 1",
-                      predicate=lambda v: v > 1)
-        _check_number("backoff_factor", backoff_factor,
-                      rule="a number with 0 < backoff_factor < 1",
-                      predicate=lambda v: 0 < v < 1)
-        _check_integer("growth_interval", growth_interval, 1)
-        _check_integer("hysteresis", hysteresis, 1)
-        for arg, value in (
-            ("clipnorm", clipnorm),
-            ("global_clipnorm", global_clipnorm),
-            ("clipvalue", clipvalue),
-        ):
-            _check_number(arg, value, allow_none=True)
-        if clipnorm is not None and global_clipnorm is not None:
-            raise ValueError(
-                "At most one of `clipnorm` and `global_clipnorm` can be set. "
-                f"Received: clipnorm={clipnorm!r}, global_clipnorm={global_clipnorm!r}"
-            )
-
+        _check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growth_interval,
+                        hysteresis, min_scale, max_scale, clipnorm, global_clipnorm, clipvalue,
+                        enabled)
         super().__init__(
             inner_optimizer,
             initial_scale=float(initial_scale),
             dynamic_growth_steps=int(growth_interval),
             name=name,
         )
-        self.dynamic = dynamic
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.hysteresis = int(hysteresis)
-        self.min_scale = float(min_scale)
-        self.max_scale = float(max_scale)
-        self.clipnorm = clipnorm
-        self.global_clipnorm = global_clipnorm
-        self.clipvalue = clipvalue
+        self.dynamic, self.enabled = dynamic, enabled
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
+        self.min_scale, self.max_scale = float(min_scale), float(max_scale)
+        self.clipnorm, self.global_clipnorm, self.clipvalue = clipnorm, global_clipnorm, clipvalue
         # Set while a kmp.callbacks.LossScaleMonitor watches training: only
         # then does a traced step record which variables overflowed.
         self._monitored = False
+        self._warned_unscaled = False
 
     @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
-        # Every replica computes the same values, so any replica's will do.
-        # Only float32 and int64 variables: TensorFlow keeps int32 resource
-        # variables in host memory on a GPU, where an XLA cluster cannot read
-        # them.
-        self._loss_scale = self.add_variable(
-            shape=(),
-            dtype="float32",
-            initializer=keras.initializers.Constant(self.initial_scale),
-            aggregation="only_first_replica",
-            name="loss_scale",
-        )
+        self._loss_scale = _add_state_variable(self, "loss_scale", (), "float32",
+                                               self.initial_scale)
         # All the step's counters in one vector (see `_COUNTERS`): one read
-        # and one write per step. Besides the scaling rule's own state, the
-        # diagnostics kmp.callbacks.LossScaleMonitor reads; they are counted
-        # on the device so that they stay exact when one call to the train
-        # function runs several steps (steps_per_execution > 1).
+        # and one write per step, counted on the device so that they stay
+        # exact when one call runs several steps (steps_per_execution > 1).
         initial_counters = [0] * len(_COUNTERS)
         initial_counters[_COUNTERS.index("hysteresis_left")] = self.hysteresis
-        self._counters = self.add_variable(
-            shape=(len(_COUNTERS),),
-            dtype="int64",
-            initializer=keras.initializers.Constant(initial_counters),
-            aggregation="only_first_replica",
-            name="counters",
-        )
+        self._counters = _add_state_variable(self, "counters", (len(_COUNTERS),), "int64",
+                                             initial_counters)
         # 1 for each variable whose gradient overflowed at the latest
         # backward overflow; written only while a monitor asks for it.
-        self._nonfinite_gradients = self.add_variable(
-            shape=(len(var_list),),
-            dtype="int64",
-            initializer="zeros",
-            aggregation="only_first_replica",
-            name="nonfinite_gradients",
+        self._nonfinite_gradients = _add_state_variable(
+            self, "nonfinite_gradients", (len(var_list),), "int64", 0
         )
-        if self._accumulation_steps():
-            # Whether the current accumulation window has seen a non-finite
-            # gradient, and a non-finite loss (see `_accumulate`).
-            self._accumulation_window = self.add_variable(
-                shape=(2,),
-                dtype="int64",
-                initializer="zeros",
-                aggregation="only_first_replica",
-                name="accumulation_window",
+        if _accumulation.steps(self):
+            self._accumulation_window = _add_state_variable(
+                self, "accumulation_window", (2,), "int64", 0
             )
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
@@ -525,25 +455,37 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def loss_scale(self):
-        """Float32 scalar: the current loss scale."""
+        """Float32 scalar: the current loss scale (1 when not `enabled`)."""
+        if not self.enabled:
+            return ops.convert_to_tensor(1.0, "float32")
         if not self.built:
             return ops.convert_to_tensor(self.initial_scale, "float32")
         return tf.identity(self._loss_scale.value)
 
     @property
     def skipped_steps(self):
-        """Integer scalar: how many steps were skipped in total."""
-        return self._counter("skipped_steps")
+        """Int64 scalar: how many steps were skipped in total."""
+        return self.counters["skipped_steps"]
 
-    def _counter(self, name):
+    @property
+    def counters(self):
+        """Dict of int64 scalars, read from the one `counters` variable.
+
+        `good_steps` (finite steps since the last growth or skip),
+        `hysteresis_left`, `skipped_steps` (never resets),
+        `forward_overflows` (skips whose unscaled loss was not finite),
+        `consecutive_skips` and `consecutive_forward_overflows`.
+        """
         if not self.built:
-            initial = self.hysteresis if name == "hysteresis_left" else 0
-            return ops.convert_to_tensor(initial, "int64")
-        return self._counters.value[_COUNTERS.index(name)]
+            values = [self.hysteresis if name == "hysteresis_left" else 0 for name in _COUNTERS]
+            values = ops.convert_to_tensor(values, "int64")
+        else:
+            values = self._counters.value
+        return dict(zip(_COUNTERS, ops.unstack(values)))
 
-    _good_steps = property(lambda self: self._counter("good_steps"))
-    _hysteresis_left = property(lambda self: self._counter("hysteresis_left"))
-    _forward_overflows = property(lambda self: self._counter("forward_overflows"))
+    _good_steps = property(lambda self: self.counters["good_steps"])
+    _hysteresis_left = property(lambda self: self.counters["hysteresis_left"])
+    _forward_overflows = property(lambda self: self.counters["forward_overflows"])
 
     @property
     def dynamic_scale(self):
@@ -558,7 +500,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- the step ------------------------------------------------------------
 
     def scale_loss(self, loss):
-        """Returns `loss` multiplied by the current loss scale (in float32 or wider)."""
+        """Returns `loss` multiplied by the current loss scale (in float32 or wider).
+
+        Call it inside the `GradientTape`, once per loss, and take the
+        gradients of what it returns; `apply` then knows they are scaled.
+        """
+        if not self.enabled:
+            return loss
+        _loss_record.record(self, loss)
         return ops.multiply(loss, self.loss_scale)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
@@ -572,376 +521,138 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.apply(grads, trainable_variables)
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None, *, loss=None):
+    def apply(self, grads, trainable_variables=None):
         """Checks `grads`, then unscales, clips and applies them, or skips the step.
 
         Args:
-            grads: List of **scaled** gradients, as computed from
-                `scale_loss(loss)`.
+            grads: List of gradients: of `scale_loss(loss)`, or scaled by
+                hand; gradients that a `GradientTape` took of an unscaled
+                loss are applied unscaled, with a warning (see the class
+                docstring).
             trainable_variables: List of variables, or `None` for the ones the
                 optimizer was built with.
-            loss: Optional tensor: the step's **unscaled** loss. Only used to
-                tell a skipped step's cause apart (see `_update_state`);
-                `kmp.Model` passes it. Defaults to `None`.
         """
-        grads = list(grads)
-        if trainable_variables is None:
-            trainable_variables = self._trainable_variables
-        trainable_variables = list(trainable_variables)
+        trainable_variables = list(
+            self._trainable_variables if trainable_variables is None else trainable_variables
+        )
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        grads, trainable_variables = self._filter_empty_gradients(
-            grads, trainable_variables
-        )
-        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-            raise ValueError(
-                "`apply()` must be called in a replica context (inside "
-                "`strategy.run`), not in a cross-replica context."
-            )
-        if (
-            tf.distribute.has_strategy()
-            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
-        ):
-            tf.distribute.get_replica_context().merge_call(
-                self._apply_cross_replica, args=(grads, trainable_variables, loss)
-            )
+        grads, trainable_variables = self._filter_empty_gradients(list(grads), trainable_variables)
+        how, loss = _loss_record.take(self)
+        if not self.enabled:
+            self.inner_optimizer.apply(grads, trainable_variables)
             return
-        grads, unscaled, finite, loss_finite, nonfinite_gradients = self._check(
-            grads, trainable_variables, loss
+        if how == _loss_record.UNSCALED and not self._warned_unscaled:
+            self._warned_unscaled = True
+            warnings.warn(_UNSCALED_WARNING.format(name=self.name), stacklevel=2)
+        scaled = how != _loss_record.UNSCALED
+        _replicas.run_step(
+            lambda replicas, *args: self._step(replicas, *args, scaled=scaled),
+            grads, trainable_variables, loss,
         )
-        if self._accumulation_steps():
-            self._accumulate(
-                finite,
-                loss_finite,
-                nonfinite_gradients,
-                lambda zero_out: self._apply_inner(
-                    self._unscale_and_clip(
-                        _zero_where(zero_out, grads), trainable_variables, unscaled
-                    ),
-                    trainable_variables,
-                ),
-            )
+
+    def _step(self, replicas, grads, variables, loss, *, scaled):
+        """Reduce and decide, then one apply-or-skip dispatch, then the state update."""
+        # Unscale before the check only where dividing could overflow.
+        unscale_first = scaled and self.min_scale < 1.0
+        divisor = self._loss_scale if scaled and not unscale_first else None
+        accumulating = bool(_accumulation.steps(self))
+        grads, decision = replicas.run(
+            self._decide, grads, variables, loss, not accumulating, unscale_first
+        )
+
+        def apply_on_replicas():
+            replicas.run(self._apply_unscaled, grads, variables, divisor, not accumulating)
+
+        if accumulating:
+            # Decided per window, not per micro-batch: see kmp/_accumulation.py.
+            _accumulation.step(self, replicas, decision, apply_on_replicas)
             return
-        ops.cond(
-            finite,
-            lambda: self._apply_inner(
-                self._unscale_and_clip(grads, trainable_variables, unscaled),
-                trainable_variables,
-            ),
-            lambda: None,
-        )
-        self._update_state(finite, loss_finite, nonfinite_gradients)
+        decision = replicas.first(decision)
+        ops.cond(decision.finite, apply_on_replicas, lambda: None)
+        self._update_state(decision)
 
-    def _check(self, grads, trainable_variables, loss=None):
-        """Per replica: reduce over replicas, then decide whether to apply.
+    def _decide(self, grads, variables, loss, reduce, unscale_first):
+        """Per replica: the gradients to apply and the step's `_Decision`.
 
-        Returns `(grads, unscaled, finite, loss_finite, nonfinite_gradients)`:
-        the (reduced) gradients, whether they are already unscaled, whether
-        all are finite, whether `loss` is finite on every replica (`True`
-        without a loss), and, only while a monitor asks for it
-        (`_monitored`), an int64 vector with a 1 for each of the optimizer's
-        variables whose gradient is not finite (else `None`).
+        With `reduce`, the gradients are summed over replicas first (the loss
+        flag rides along in the float32 collective), so every replica
+        decides on the same values. Dividing by a scale >= 1 cannot change
+        which values are finite, so the scaled gradients decide and
+        unscaling waits for the branch that applies them.
         """
-        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         loss_nonfinite = None
         if loss is not None:
-            loss_nonfinite = ops.cast(
-                ops.logical_not(ops.all(ops.isfinite(loss))), "float32"
-            )
-        if num_replicas > 1:
-            # Decide on the gradients the update will use (the sum over
-            # replicas), so that every replica reaches the same decision.
-            # The loss flag rides along: one more collective of its own could
-            # be ordered differently on each replica.
-            extra = [] if loss_nonfinite is None else [loss_nonfinite]
-            reduced = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, list(grads) + extra
-            )
-            grads = reduced[: len(grads)]
-            if extra:
-                loss_nonfinite = reduced[-1]
-        loss_finite = (
-            ops.convert_to_tensor(True)
-            if loss_nonfinite is None
-            else ops.equal(loss_nonfinite, 0.0)
-        )
-        # Dividing by a scale >= 1 cannot turn a finite value into inf or
-        # NaN, nor the reverse: the scaled gradients decide, and unscaling
-        # waits for the branch that applies them (as Keras does: no unscaled
-        # copy of every gradient outside it). A scale below 1 could overflow
-        # while unscaling, so then the unscaled gradients decide.
-        unscaled = self.min_scale < 1.0
-        if unscaled:
-            grads = self._unscale(grads, trainable_variables)
-        finite_flags = _finite_flags(grads)
-        finite = _all_true(finite_flags)
+            loss_nonfinite = ops.cast(ops.logical_not(ops.all(ops.isfinite(loss))), "float32")
+        if reduce:
+            *grads, loss_nonfinite = _replicas.all_reduce_sum(list(grads) + [loss_nonfinite])
+        if unscale_first:
+            grads = _gradients.divide(grads, self._loss_scale, self._kept(variables))
+        flags = _gradients.finite_flags(grads)
+        finite = _gradients.all_true(flags)
         nonfinite_gradients = None
         if self._monitored:
-            # Which variables overflowed, for the monitor: assembled from the
-            # decision's own per-gradient flags, only on skipped steps.
+            # Which variables overflowed, from the decision's own flags.
             nonfinite_gradients = ops.cond(
                 finite,
                 lambda: ops.zeros((len(self._trainable_variables),), "int64"),
-                lambda: self._nonfinite_gradient_flags(
-                    finite_flags, trainable_variables
+                lambda: _gradients.nonfinite_indicator(
+                    flags, [self._get_variable_index(v) for v in variables],
+                    len(self._trainable_variables),
                 ),
             )
-        return grads, unscaled, finite, loss_finite, nonfinite_gradients
+        loss_finite = (
+            ops.convert_to_tensor(True) if loss_nonfinite is None else ops.equal(loss_nonfinite, 0.0)
+        )
+        return grads, _Decision(finite, loss_finite, nonfinite_gradients)
 
-    def _unscale(self, grads, trainable_variables, divisor=1):
-        scale = self._loss_scale * divisor
-        return [
-            g
-            if self._overwrite_variable_with_gradient(v)
-            else _map_gradient(lambda t: t / ops.cast(scale, t.dtype), g)
-            for g, v in zip(grads, trainable_variables)
-        ]
+    def _kept(self, variables):
+        # Variables Keras overwrites with their "gradient" (e.g. a moving
+        # statistic) take it as it is.
+        return [self._overwrite_variable_with_gradient(v) for v in variables]
 
-    def _unscale_and_clip(self, grads, trainable_variables, unscaled=False):
-        """The gradients the inner optimizer applies, computed in its branch."""
-        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        if _can_skip_inner_all_reduce(self.inner_optimizer):
-            # The inner optimizer will not sum over replicas again (see
-            # `_apply_inner`): the reduced gradients are its gradients.
-            num_replicas = 1
+    def _apply_unscaled(self, grads, variables, divisor, reduced):
+        """Per replica, in the branch that applies: unscale, clip, apply."""
+        inner = self.inner_optimizer
+        replicas = _replicas.num_replicas() if reduced else 1
+        pass_through = replicas > 1 and _replicas.can_skip_all_reduce(inner)
+        if pass_through:
+            replicas = 1  # the inner optimizer will not sum again
         clipping = (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None,) * 3
-        if not unscaled:
-            # Without clipping, one division unscales and, where the inner
-            # optimizer sums over replicas again, averages over them.
-            divisor = 1 if clipping else num_replicas
-            grads = self._unscale(grads, trainable_variables, divisor)
-            if not clipping:
-                return grads
-        grads = clip_gradients(
-            grads,
-            clipvalue=self.clipvalue,
-            clipnorm=self.clipnorm,
+        if divisor is not None:
+            # Without clipping one division unscales and, where the inner
+            # optimizer sums over replicas again, averages over them too.
+            grads = _gradients.divide(
+                grads, divisor * (1 if clipping else replicas), self._kept(variables)
+            )
+            replicas = replicas if clipping else 1
+        grads = _gradients.clip_gradients(
+            grads, clipvalue=self.clipvalue, clipnorm=self.clipnorm,
             global_clipnorm=self.global_clipnorm,
         )
-        if num_replicas > 1:
-            grads = [_map_gradient(lambda t: t / num_replicas, g) for g in grads]
-        return grads
-
-    def _apply_cross_replica(self, distribution, grads, trainable_variables, loss=None):
-        # A strategy that needs merge_call cannot run a cond whose branch calls
-        # merge_call (the inner optimizer's apply does) in a replica context:
-        # decide here, in the cross-replica context, as Keras does.
-        grads, unscaled, finite_per_replica, loss_finite_per_replica, nonfinite = (
-            distribution.extended.call_for_each_replica(
-                self._check, args=(grads, trainable_variables, loss)
-            )
-        )
-        # Every replica checked the same all-reduced gradients.
-        finite, loss_finite = (
-            distribution.experimental_local_results(per_replica)[0]
-            for per_replica in (finite_per_replica, loss_finite_per_replica)
-        )
-        if nonfinite is not None:
-            nonfinite = distribution.experimental_local_results(nonfinite)[0]
-
-        def apply_on_each_replica():
-            def apply_on_replica(grads, trainable_variables):
-                self._apply_inner(
-                    self._unscale_and_clip(grads, trainable_variables, unscaled),
-                    trainable_variables,
-                )
-
-            distribution.extended.call_for_each_replica(
-                apply_on_replica, args=(grads, trainable_variables)
-            )
-
-        if self._accumulation_steps():
-
-            def accumulate_on_each_replica(zero_out):
-                def accumulate_on_replica(grads, trainable_variables):
-                    self._apply_inner(
-                        self._unscale_and_clip(
-                            _zero_where(zero_out, grads), trainable_variables, unscaled
-                        ),
-                        trainable_variables,
-                    )
-
-                distribution.extended.call_for_each_replica(
-                    accumulate_on_replica, args=(grads, trainable_variables)
-                )
-
-            self._accumulate(finite, loss_finite, nonfinite, accumulate_on_each_replica)
-            return
-        ops.cond(finite, apply_on_each_replica, lambda: None)
-        self._update_state(finite, loss_finite, nonfinite)
-
-    # -- gradient accumulation ----------------------------------------------
-
-    def _accumulation_steps(self):
-        """The inner optimizer's `gradient_accumulation_steps`, or `None`."""
-        steps = getattr(self.inner_optimizer, "gradient_accumulation_steps", None)
-        if steps and (
-            self.clipvalue is not None
-            or self.clipnorm is not None
-            or self.global_clipnorm is not None
-        ):
-            raise ValueError(
-                "kmp.LossScaleOptimizer's clipping would clip each micro-batch, "
-                "not the accumulated gradients, when the inner optimizer has "
-                "`gradient_accumulation_steps`. Set `clipnorm`, "
-                "`global_clipnorm` or `clipvalue` on the inner optimizer "
-                "instead: it clips the accumulated, unscaled gradients. "
-                f"Received: gradient_accumulation_steps={steps}, "
-                f"clipvalue={self.clipvalue}, clipnorm={self.clipnorm}, "
-                f"global_clipnorm={self.global_clipnorm}"
-            )
-        return steps
-
-    def _accumulate(self, finite, loss_finite, nonfinite_gradients, apply_inner):
-        """One micro-batch of an accumulated step (`gradient_accumulation_steps`).
-
-        ```
-        window_finite = finite and no earlier micro-batch of the window overflowed
-        if boundary (the window's last micro-batch):
-            if window_finite: inner optimizer adds this micro-batch and updates
-            else: accumulators reset, inner step count back to the window's start
-            state = update_loss_scale(state, window_finite)  # once per window
+        if replicas > 1:
+            grads = _gradients.divide(grads, replicas)
+        if pass_through:
+            _replicas.apply_reduced(inner, grads, variables)
         else:
-            inner optimizer adds this micro-batch (zeros once the window
-            overflowed: no inf or NaN ever reaches the accumulators)
-        ```
+            inner.apply(grads, variables)
 
-        So the scale is the same for every micro-batch of a window, a window
-        with an overflow anywhere is discarded whole and counted once, and
-        `iterations` counts applied windows only.
-
-        Args:
-            finite, loss_finite, nonfinite_gradients: This micro-batch's
-                decision, as from `_check`.
-            apply_inner: Callable of a boolean tensor `zero_out`: gives the
-                micro-batch's gradients (zeros where `zero_out`) to the inner
-                optimizer.
-        """
-        inner = self.inner_optimizer
-        steps = inner.gradient_accumulation_steps
-        micro_steps = inner._iterations
-        boundary = ops.equal((micro_steps + 1) % steps, 0)
-        window = self._accumulation_window.value
-        window_finite = ops.logical_and(ops.cast(finite, "bool"), ops.equal(window[0], 0))
-        window_loss_finite = ops.logical_and(
-            ops.cast(loss_finite, "bool"), ops.equal(window[1], 0)
-        )
-
-        def discard():
-            inner._backend_reset_gradient_accumulators()
-            micro_steps.assign(micro_steps - (steps - 1))
-
-        ops.cond(
-            ops.logical_and(boundary, ops.logical_not(window_finite)),
-            discard,
-            lambda: apply_inner(ops.logical_not(window_finite)),
-        )
-        ops.cond(
-            boundary,
-            lambda: self._update_state(window_finite, window_loss_finite, nonfinite_gradients),
-            lambda: None,
-        )
-        self._accumulation_window.assign(
-            ops.where(
-                boundary,
-                ops.zeros((2,), "int64"),
-                ops.cast(
-                    ops.stack(
-                        [ops.logical_not(window_finite), ops.logical_not(window_loss_finite)]
-                    ),
-                    "int64",
-                ),
-            )
-        )
-
-    def _apply_inner(self, grads, trainable_variables):
-        """`inner_optimizer.apply` on gradients already summed over replicas.
-
-        Keras' TensorFlow optimizers all-reduce the gradients in `apply`; kmp
-        has done so already (the skip decision needs the sum), so that second
-        all-reduce would only cost a round trip. It is turned off for this
-        call where Keras allows it (see `_can_skip_inner_all_reduce`);
-        otherwise `_unscale_and_clip` divides by the number of replicas so
-        that the second sum gives the same gradients.
-        """
-        inner = self.inner_optimizer
-        if not _can_skip_inner_all_reduce(inner):
-            inner.apply(grads, trainable_variables)
-            return
-        _install_all_reduce_switch(inner)
-        # Thread-local: MirroredStrategy traces each replica in its own thread.
-        _gradients_already_reduced.active = True
-        try:
-            inner.apply(grads, trainable_variables)
-        finally:
-            _gradients_already_reduced.active = False
-
-    def _nonfinite_gradient_flags(self, finite_flags, trainable_variables):
-        """Int64 vector: 1 at the index of each variable whose gradient is not finite.
-
-        Built from `_finite_flags` (no second pass over the gradients) and
-        indexed like the variables the optimizer was built with, so the
-        monitor can name them; variables without a gradient count as finite.
-        """
-        flags = [ops.convert_to_tensor(0, "int64")] * len(self._trainable_variables)
-        for finite, variable in zip(finite_flags, trainable_variables):
-            if finite is not None:
-                flags[self._get_variable_index(variable)] = ops.cast(
-                    ops.logical_not(finite), "int64"
-                )
-        if not flags:
-            return ops.zeros((0,), "int64")
-        return ops.stack(flags)
-
-    def _update_state(self, finite, loss_finite=True, nonfinite_gradients=None):
-        counters = dict(zip(_COUNTERS, ops.unstack(self._counters.value)))
-        new_state = update_loss_scale(
-            LossScaleState(
-                self._loss_scale.value,
-                counters["good_steps"],
-                counters["hysteresis_left"],
-                counters["skipped_steps"],
-            ),
-            finite,
-            dynamic=self.dynamic,
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            growth_interval=self.growth_interval,
-            hysteresis=self.hysteresis,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
-        )
-        skipped = ops.logical_not(ops.cast(finite, "bool"))
-        # A forward overflow: the unscaled loss itself was not finite (broken
-        # data or model; a lower scale cannot help). Any other skip is a
-        # backward overflow: the scale was too high for the gradients.
-        forward = ops.logical_and(skipped, ops.logical_not(loss_finite))
-        counters.update(
-            good_steps=new_state.good_steps,
-            hysteresis_left=new_state.hysteresis_left,
-            skipped_steps=new_state.skipped_steps,
-            forward_overflows=counters["forward_overflows"] + ops.cast(forward, "int64"),
-            consecutive_skips=ops.where(skipped, counters["consecutive_skips"] + 1, 0),
-            consecutive_forward_overflows=ops.where(
-                forward, counters["consecutive_forward_overflows"] + 1, 0
-            ),
-        )
-        self._loss_scale.assign(new_state.loss_scale)
-        self._counters.assign(
-            ops.stack([ops.cast(counters[name], "int64") for name in _COUNTERS])
-        )
-        if nonfinite_gradients is not None:
+    def _update_state(self, decision):
+        """The scaling rule and the counters, after one (applied or skipped) step."""
+        rule = {name: getattr(self, name) for name in _RULE_SETTINGS}
+        scale, counters = _next_state(self._loss_scale.value, self.counters, decision, rule)
+        self._loss_scale.assign(scale)
+        self._counters.assign(ops.stack([counters[name] for name in _COUNTERS]))
+        if decision.nonfinite_gradients is not None:
             # Kept from the latest backward overflow, so that with
-            # steps_per_execution > 1 the monitor still sees where it was
-            # (after a forward overflow every gradient is non-finite anyway).
+            # steps_per_execution > 1 the monitor still sees where it was.
+            backward = ops.logical_and(
+                ops.logical_not(decision.finite), decision.loss_finite
+            )
             self._nonfinite_gradients.assign(
-                ops.where(
-                    ops.logical_and(skipped, ops.logical_not(forward)),
-                    nonfinite_gradients,
-                    self._nonfinite_gradients,
-                )
+                ops.where(backward, decision.nonfinite_gradients, self._nonfinite_gradients)
             )
 
     def _monitor_state(self):
@@ -963,21 +674,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- serialization -------------------------------------------------------
 
     def get_config(self):
-        return {
+        config = {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "initial_scale": self.initial_scale,
-            "dynamic": self.dynamic,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "hysteresis": self.hysteresis,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "clipnorm": self.clipnorm,
-            "global_clipnorm": self.global_clipnorm,
-            "clipvalue": self.clipvalue,
         }
+        names = _RULE_SETTINGS + ("clipnorm", "global_clipnorm", "clipvalue", "enabled")
+        return dict(config, **{name: getattr(self, name) for name in names})
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

@@ -1,13 +1,12 @@
 """kmp.Model: a keras.Model whose training applies the precision policy."""
 
 import numbers
-import warnings
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from kmp import _keras_internals
+from kmp import _loss_record
 from kmp import distribute as distribute_module
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
@@ -236,43 +235,29 @@ class Model(keras.Model):
             **kwargs,
         )
 
+    @property
+    def losses(self):
+        """The losses layers added (`add_loss`, regularizers), in float32.
+
+        A layer computing in 16 bits adds 16-bit losses (an
+        `activity_regularizer`, say); Keras would sum them with the float32
+        compile loss and fail. kmp's promise is a float32 loss.
+        """
+        return [_to_float32(loss) for loss in super().losses]
+
     def train_step(self, data):
+        # Keras' own step: it calls `optimizer.scale_loss(loss)` and
+        # `optimizer.apply_gradients`, which is all kmp's scaler needs.
+        logs = super().train_step(data)
         optimizer = self.optimizer
         if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
-            return super().train_step(data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
-            loss = ops.cast(
-                self._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-                ),
-                "float32",
-            )
-            self._loss_tracker.update_state(
-                _keras_internals.unscale_loss_for_distribution(loss),
-                sample_weight=tf.shape(
-                    next(i for i in keras.tree.flatten(x) if i is not None)
-                )[0],
-            )
-            scaled_loss = optimizer.scale_loss(loss)
-        trainable_weights = self.trainable_weights
-        if trainable_weights:
-            gradients = tape.gradient(scaled_loss, trainable_weights)
-            # The loss lets the optimizer tell a forward overflow (the loss
-            # itself is not finite) from a backward one.
-            optimizer.apply(gradients, trainable_weights, loss=loss)
-        else:
-            warnings.warn("The model does not have any trainable weights.")
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return logs
         logs["loss_scale"] = optimizer.loss_scale
         logs["skipped_steps"] = optimizer.skipped_steps
+        loss = _loss_record.last_loss(optimizer)
         if (
             optimizer._monitored
-            and trainable_weights
+            and loss is not None
             and self.distribute_strategy.num_replicas_in_sync == 1
         ):
             # For kmp.callbacks.LossScaleMonitor, and only while one watches:
@@ -285,9 +270,7 @@ class Model(keras.Model):
             counters, nonfinite_gradients = optimizer._monitor_state()
             logs[_MONITOR_LOG_PREFIX + "counters"] = counters
             logs[_MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
-            logs[_MONITOR_LOG_PREFIX + "loss"] = (
-                _keras_internals.unscale_loss_for_distribution(loss)
-            )
+            logs[_MONITOR_LOG_PREFIX + "loss"] = ops.cast(loss, "float32")
         return logs
 
     def make_train_function(self, force=False):

@@ -1,0 +1,94 @@
+"""Whether the gradients a loss scaler receives come from a scaled loss.
+
+Keras' LossScaleOptimizer divides every gradient by the scale, whether or not
+`scale_loss` ran: a custom `train_step` or loop that never calls it trains
+with gradients 2**15 times too small, silently. kmp's scaler asks this module
+instead, at each `apply`, how the step's gradients were made:
+
+- `SCALED`: `scale_loss` ran for this optimizer since its last `apply` (in
+  this thread; a `tf.function` or a replica of a strategy traces in one
+  thread). Divide by the scale. The unscaled loss comes along, so a skipped
+  step can be told apart as a forward overflow.
+- `UNSCALED`: a `tf.GradientTape` computed gradients since the last `apply`
+  and no `scale_loss` ran: gradients of a loss that was not scaled. Applied
+  as they are (with one warning).
+- `BY_HAND`: neither: gradients made without a tape (as Keras' own tests
+  make them), taken to be scaled by hand, as Keras does.
+
+All of this happens while Python runs, so under `tf.function` it is decided
+once per trace, at no cost per step.
+"""
+
+import threading
+
+import tensorflow as tf
+
+SCALED = "scaled"
+UNSCALED = "unscaled"
+BY_HAND = "by_hand"
+
+_thread = threading.local()
+
+
+def _state():
+    if not hasattr(_thread, "scaled_losses"):
+        _thread.scaled_losses = {}  # id(optimizer) -> the latest unscaled loss
+        _thread.tape_gradients = 0
+        _thread.last_losses = {}
+    return _thread
+
+
+def record(optimizer, loss):
+    """Notes that `optimizer.scale_loss(loss)` ran in this thread."""
+    _state().scaled_losses[id(optimizer)] = loss
+
+
+def take(optimizer):
+    """How the gradients of `optimizer`'s current `apply` were made.
+
+    Returns:
+        `(how, loss)`: one of `SCALED`, `UNSCALED`, `BY_HAND`, and the
+        unscaled loss given to `scale_loss` when it can be used here (a
+        tensor of the graph being traced, or an eager tensor), else `None`.
+    """
+    state = _state()
+    tape_gradients, state.tape_gradients = state.tape_gradients, 0
+    if id(optimizer) in state.scaled_losses:
+        loss = _usable_here(state.scaled_losses.pop(id(optimizer)))
+        state.last_losses[id(optimizer)] = loss
+        return SCALED, loss
+    state.last_losses[id(optimizer)] = None
+    return (UNSCALED if tape_gradients else BY_HAND), None
+
+
+def last_loss(optimizer):
+    """The unscaled loss of `optimizer`'s latest `apply` in this thread, or `None`."""
+    return _state().last_losses.get(id(optimizer))
+
+
+def _usable_here(loss):
+    if not tf.is_symbolic_tensor(loss):
+        return loss
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if graph is loss.graph:
+            return loss
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def _count_tape_gradients():
+    gradient = tf.GradientTape.gradient
+    if getattr(gradient, "_kmp_counted", False):
+        return
+
+    def counted_gradient(self, *args, **kwargs):
+        _state().tape_gradients += 1
+        return gradient(self, *args, **kwargs)
+
+    counted_gradient._kmp_counted = True
+    counted_gradient.__doc__ = gradient.__doc__
+    tf.GradientTape.gradient = counted_gradient
+
+
+_count_tape_gradients()

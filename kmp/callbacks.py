@@ -9,19 +9,26 @@ reports each epoch's skips, tells a forward overflow (the loss itself was not
 finite) from a backward one (the scale was too high for the gradients), names
 the variables whose gradients overflowed, writes a per-step CSV and a plot,
 and stops a run that has stopped making progress.
+
+The monitor reads the steps; `kmp/_ledger.py` keeps their numbers,
+`kmp/_monitor_messages.py` words them and `kmp/_monitor_plot.py` draws them.
 """
 
 import csv
+import functools
 import math
 import numbers
 import os
-import warnings
 
 import keras
 import numpy as np
 
 from kmp import _keras_internals
+from kmp import _monitor_messages as messages
 from kmp import loss_scale as loss_scale_module
+from kmp._format import format_scale
+from kmp._ledger import Ledger
+from kmp._monitor_plot import write_plot
 from kmp.checkpoint import BackupAndRestore
 from kmp.checkpoint import ModelCheckpoint
 
@@ -31,29 +38,10 @@ __all__ = [
     "ModelCheckpoint",
 ]
 
-# How many overflowing variables a warning or CSV row names before "+N more".
-_NAMES_SHOWN = 3
-
 # Steps the monitor collects before processing them (CSV rows, statistics).
 _PROCESS_EVERY = 256
 
 CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_variables")
-
-_REASON_FORWARD = "forward"
-_REASON_BACKWARD = "backward"
-
-
-def _format_scale(value):
-    """The loss scale as people read it: `32768`, `2^-3`, or `%g` otherwise."""
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        return f"{value:g}"
-    if value == int(value) and value < 2.0**53:
-        return str(int(value))
-    mantissa, exponent = math.frexp(value)
-    if mantissa == 0.5:
-        return f"2^{exponent - 1}"
-    return f"{value:g}"
 
 
 def _csv_number(value):
@@ -90,7 +78,7 @@ def _readable_logs(logs):
         return logs
     logs = dict(logs)
     if isinstance(logs.get("loss_scale"), numbers.Real):
-        logs["loss_scale"] = _Readable(logs["loss_scale"], _format_scale(logs["loss_scale"]))
+        logs["loss_scale"] = _Readable(logs["loss_scale"], format_scale(logs["loss_scale"]))
     if isinstance(logs.get("skipped_steps"), numbers.Real):
         logs["skipped_steps"] = _Readable(
             logs["skipped_steps"], str(int(logs["skipped_steps"]))
@@ -149,11 +137,7 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
         steps, skipped = (_read_counters(optimizer) - self._counters_at_start)[:2]
         if skipped > 0:
             _keras_internals.print_msg(
-                f"kmp: {skipped} of {steps} training steps were skipped because "
-                "their gradients were not finite; the loss scale is now "
-                f"{_format_scale(optimizer.loss_scale)}. Add "
-                "kmp.callbacks.LossScaleMonitor() to the callbacks to see "
-                "which steps and why."
+                messages.skipped_in_fit(skipped, steps, optimizer.loss_scale)
             )
 
 
@@ -204,8 +188,67 @@ def _check_path(name, value):
         )
 
 
-def _plural(count, noun):
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+def _is_integer(value, minimum):
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Integral)
+        and value >= minimum
+    )
+
+
+def _check_monitor_arguments(max_consecutive_skips, warn_skip_rate, csv_path, plot_path, verbose):
+    if max_consecutive_skips is not None and not _is_integer(max_consecutive_skips, 1):
+        raise ValueError(
+            "`max_consecutive_skips` must be an integer >= 1 or None. "
+            f"Received: max_consecutive_skips={max_consecutive_skips!r}"
+        )
+    if warn_skip_rate is not None and (
+        isinstance(warn_skip_rate, bool)
+        or not isinstance(warn_skip_rate, numbers.Real)
+        or not 0 <= warn_skip_rate <= 1
+    ):
+        raise ValueError(
+            "`warn_skip_rate` must be a number in [0, 1] or None. "
+            f"Received: warn_skip_rate={warn_skip_rate!r}"
+        )
+    _check_path("csv_path", csv_path)
+    _check_path("plot_path", plot_path)
+    if not _is_integer(verbose, 0):
+        raise ValueError(f"`verbose` must be an integer >= 0. Received: verbose={verbose!r}")
+
+
+def _read_step(model, optimizer, logs):
+    """Returns `(counters, nonfinite_gradients, loss, loss_scale)` for the step
+    just taken; `nonfinite_gradients` and `loss` stay tensors until the step
+    is processed.
+    """
+    monitor_logs = getattr(model, "_kmp_monitor_logs", None) or {}
+    if "counters" in monitor_logs:
+        counters = monitor_logs["counters"]
+        nonfinite_gradients = monitor_logs["nonfinite_gradients"]
+        loss = monitor_logs["loss"]  # converted when the step is processed
+    else:
+        # Not a kmp.Model, several replicas, or a custom train_step: read
+        # the optimizer (one small host read per step) and use the
+        # epoch's mean loss.
+        counters, nonfinite_gradients = optimizer._monitor_state()
+        loss = float(logs.get("loss", float("nan")))
+    counters = np.asarray(counters).tolist()  # Python ints: cheap below
+    if "loss_scale" in logs:
+        loss_scale = float(logs["loss_scale"])
+    else:
+        loss_scale = float(optimizer.loss_scale)
+    return counters, nonfinite_gradients, loss, loss_scale
+
+
+def _variable_names(optimizer, nonfinite_gradients):
+    """The paths of the variables whose flag in `nonfinite_gradients` is set."""
+    variables = optimizer._trainable_variables
+    return [
+        getattr(variables[i], "path", variables[i].name)
+        for i in np.flatnonzero(np.asarray(nonfinite_gradients))
+        if i < len(variables)
+    ]
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -252,10 +295,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     variables overflowed and return the monitor's values (attaching or
     removing one retraces the step once); without one, a step does the
     scaling and nothing more. With it, about 20 microseconds of Python per
-    step, plus what any Keras
-    callback with a per-batch hook costs: `fit` waits for each step's (or
-    execution's) logs instead of dispatching callbacks in a background
-    thread. On an accelerator, `steps_per_execution > 1` amortizes that wait.
+    step, plus what any Keras callback with a per-batch hook costs: `fit`
+    waits for each step's (or execution's) logs instead of dispatching
+    callbacks in a background thread. On an accelerator, `steps_per_execution > 1` amortizes that wait.
     Under a `tf.distribute` strategy with several replicas the monitor reads
     the optimizer's counters once per step instead (they stay exact), and the
     CSV's `loss` is the epoch's running mean.
@@ -326,34 +368,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         verbose=1,
     ):
         super().__init__()
-        if max_consecutive_skips is not None and (
-            isinstance(max_consecutive_skips, bool)
-            or not isinstance(max_consecutive_skips, numbers.Integral)
-            or max_consecutive_skips < 1
-        ):
-            raise ValueError(
-                "`max_consecutive_skips` must be an integer >= 1 or None. "
-                f"Received: max_consecutive_skips={max_consecutive_skips!r}"
-            )
-        if warn_skip_rate is not None and (
-            isinstance(warn_skip_rate, bool)
-            or not isinstance(warn_skip_rate, numbers.Real)
-            or not 0 <= warn_skip_rate <= 1
-        ):
-            raise ValueError(
-                "`warn_skip_rate` must be a number in [0, 1] or None. "
-                f"Received: warn_skip_rate={warn_skip_rate!r}"
-            )
-        _check_path("csv_path", csv_path)
-        _check_path("plot_path", plot_path)
-        if (
-            isinstance(verbose, bool)
-            or not isinstance(verbose, numbers.Integral)
-            or verbose < 0
-        ):
-            raise ValueError(
-                f"`verbose` must be an integer >= 0. Received: verbose={verbose!r}"
-            )
+        _check_monitor_arguments(
+            max_consecutive_skips, warn_skip_rate, csv_path, plot_path, verbose
+        )
         self.max_consecutive_skips = (
             None if max_consecutive_skips is None else int(max_consecutive_skips)
         )
@@ -361,15 +378,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.csv_path = None if csv_path is None else os.fspath(csv_path)
         self.plot_path = None if plot_path is None else os.fspath(plot_path)
         self.verbose = int(verbose)
+        self._csv = _StepCsv(None)
+        self._forget_last_fit()
+
+    def _forget_last_fit(self):
         self.stopped_step = None
         self.stop_message = None
-        self.epoch_summaries = []
         self._optimizer = None
-        self._csv_file = None
-        self._pending_lines = []
-        self._pending_warnings = []
+        self._ledger = None  # The optimizer's numbers, for one fit.
+        self._pending = messages.Pending()
         self._pending_steps = []
-        self._last_names = []
 
     def get_config(self):
         return {
@@ -384,341 +402,122 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def from_config(cls, config):
         return cls(**config)
 
-    # -- reading the step --------------------------------------------------
-
-    def _read_step(self, logs):
-        """Returns `(counters, nonfinite_gradients, loss, loss_scale)` for the
-        step just taken; `nonfinite_gradients` and `loss` stay tensors until
-        the step is processed.
-        """
-        monitor_logs = getattr(self.model, "_kmp_monitor_logs", None) or {}
-        if "counters" in monitor_logs:
-            counters = monitor_logs["counters"]
-            nonfinite_gradients = monitor_logs["nonfinite_gradients"]
-            loss = monitor_logs["loss"]  # converted when the step is processed
-        else:
-            # Not a kmp.Model, several replicas, or a custom train_step: read
-            # the optimizer (one small host read per step) and use the
-            # epoch's mean loss.
-            counters, nonfinite_gradients = self._optimizer._monitor_state()
-            loss = float(logs.get("loss", float("nan")))
-        counters = np.asarray(counters).tolist()  # Python ints: cheap below
-        if "loss_scale" in logs:
-            loss_scale = float(logs["loss_scale"])
-        else:
-            loss_scale = float(self._optimizer.loss_scale)
-        return counters, nonfinite_gradients, loss, loss_scale
-
-    def _variable_names(self, nonfinite_gradients):
-        if not self._names:
-            self._names = [
-                getattr(v, "path", v.name) for v in self._optimizer._trainable_variables
-            ]
-        flags = np.asarray(nonfinite_gradients)
-        return [self._names[i] for i in np.flatnonzero(flags) if i < len(self._names)]
-
-    # -- callback hooks ------------------------------------------------------
+    @property
+    def epoch_summaries(self):
+        """List of dicts, one per epoch of the last fit (see `Attributes:`)."""
+        return [] if self._ledger is None else self._ledger.epoch_summaries
 
     def on_train_begin(self, logs=None):
+        self._forget_last_fit()
         self._optimizer = _scaling_optimizer(self.model)
-        self.stopped_step = None
-        self.stop_message = None
-        self.epoch_summaries = []
-        self._pending_lines = []
-        self._pending_warnings = []
-        self._pending_steps = []
-        self._last_names = []
         if self._optimizer is None:
             if self.verbose:
                 _keras_internals.print_msg(
-                    "LossScaleMonitor: the optimizer does not scale the loss "
-                    f"(compute dtype {self.model.dtype_policy.compute_dtype}), "
-                    "so no step can be skipped; nothing to monitor."
+                    messages.nothing_to_monitor(self.model.dtype_policy.compute_dtype)
                 )
             return
         # kmp.Model.fit has done this already; for a plain keras.Model
         # whose optimizer is kmp's, it retraces the step Keras built.
         _watch_optimizer(self.model, True)
-        # Filled in on the first skip: the optimizer may not be built yet.
-        self._names = []
-        self._last = tuple(_read_counters(self._optimizer)[:3].tolist())  # step, skipped, forward
-        self._scale = float(self._optimizer.loss_scale)
-        self._history = {"step": [], "loss": [], "loss_scale": [],
-                         "scale_before": [], "reason": []}
-        if self.csv_path is not None:
-            directory = os.path.dirname(self.csv_path)
-            if directory:
-                os.makedirs(directory, exist_ok=True)
-            self._csv_file = open(self.csv_path, "w", newline="")
-            self._csv_writer = csv.writer(self._csv_file)
-            self._csv_writer.writerow(CSV_COLUMNS)
-            self._csv_file.flush()
+        self._ledger = Ledger(
+            _read_counters(self._optimizer).tolist(), float(self._optimizer.loss_scale)
+        )
+        self._csv = _StepCsv(self.csv_path)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._print_pending()
-        if self._optimizer is None:
-            return
-        self._epoch = {
-            "epoch": epoch + 1,
-            "steps": 0,
-            "skipped": 0,
-            "forward": 0,
-            "backward": 0,
-            "start_scale": self._scale,
-            "end_scale": self._scale,
-            "min_scale": self._scale,
-            "max_scale": self._scale,
-            "nonfinite_variables": [],
-        }
+        # Said once the progress bar (the last callback) has ended its line.
+        self._pending.flush()
+        if self._ledger is not None:
+            self._ledger.begin_epoch(epoch + 1)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._optimizer is None:
+        if self._ledger is None:
             return
         # Right after a step, Python competes with the framework's worker
         # threads and runs several times slower: do only the stop check now
         # and process the steps in batches.
-        record = self._read_step(logs or {})
+        record = _read_step(self.model, self._optimizer, logs or {})
         self._pending_steps.append(record)
-        consecutive = record[0][3]
         limit = self.max_consecutive_skips
-        if limit is not None and self.stopped_step is None and consecutive >= limit:
+        if limit is not None and self.stopped_step is None and record[0][3] >= limit:
             self._process_pending_steps()
-            self._stop(record[0][0], consecutive, record[0][4], self._last_names)
+            self._stop(limit)
         elif len(self._pending_steps) >= _PROCESS_EVERY:
             self._process_pending_steps()
 
     def _process_pending_steps(self):
-        for record in self._pending_steps:
-            self._process_step(*record)
+        for counters, flags, loss, loss_scale in self._pending_steps:
+            # Names are read (a device read of the flags) only on a backward skip.
+            names = functools.partial(_variable_names, self._optimizer, flags)
+            self._csv.write(self._ledger.record(counters, float(loss), loss_scale, names))
         self._pending_steps = []
 
-    def _process_step(self, counters, nonfinite_gradients, loss, loss_scale):
-        step, skipped_total, forward_total = counters[:3]
-        loss = float(loss)
-        last_step, last_skipped, last_forward = self._last
-        self._last = (step, skipped_total, forward_total)
-        steps = step - last_step
-        skipped = skipped_total - last_skipped
-        forward = forward_total - last_forward
-        if steps <= 0:
-            return
-        backward = skipped - forward
-        reason, names = "", []
-        if skipped:
-            reason = "+".join(
-                r for r, n in ((_REASON_FORWARD, forward), (_REASON_BACKWARD, backward)) if n
-            )
-            if backward:
-                names = self._variable_names(nonfinite_gradients)
-
-        epoch = self._epoch
-        epoch["steps"] += steps
-        epoch["skipped"] += skipped
-        epoch["forward"] += forward
-        epoch["backward"] += backward
-        epoch["end_scale"] = loss_scale
-        epoch["min_scale"] = min(epoch["min_scale"], loss_scale)
-        epoch["max_scale"] = max(epoch["max_scale"], loss_scale)
-        for name in names:
-            if name not in epoch["nonfinite_variables"]:
-                epoch["nonfinite_variables"].append(name)
-
-        history = self._history
-        history["step"].append(step)
-        history["loss"].append(loss)
-        history["loss_scale"].append(loss_scale)
-        history["scale_before"].append(self._scale)
-        history["reason"].append(reason)
-        self._scale = loss_scale
-        if self._csv_file is not None:
-            self._csv_writer.writerow(
-                (step, loss, _csv_number(loss_scale), skipped, reason,
-                 _shorten_names(names, separator=";"))
-            )
-        self._last_names = names
-
-    def _stop(self, step, consecutive, consecutive_forward, names):
-        limit = self.max_consecutive_skips
-        self.stopped_step = step - (consecutive - limit)
-        if consecutive_forward >= limit:
-            why = (
-                f"the loss itself was not finite at each of them (forward "
-                "overflow): the inputs or labels contain inf/NaN, or a layer "
-                "overflows in the forward pass. Lowering the loss scale cannot "
-                "help; check the data with np.isfinite and compute the "
-                "overflowing layer in float32"
-            )
-        else:
-            where = f" (first in {_shorten_names(names)})" if names else ""
-            why = (
-                "their gradients were not finite although the loss was "
-                f"{where}, and the loss scale is down to "
-                f"{_format_scale(self._scale)}: the weights are likely "
-                "diverging. Try a lower learning rate or gradient clipping "
-                "(global_clipnorm=1.0)"
-            )
-        after = (
-            f" Training stops after step {step}, the end of that execution "
-            "(steps_per_execution > 1)."
-            if step != self.stopped_step
-            else ""
-        )
-        self.stop_message = (
-            f"LossScaleMonitor: stopping training at step {self.stopped_step}: "
-            f"{limit} consecutive steps were skipped (max_consecutive_skips="
-            f"{limit}) and {why}.{after}"
+    def _stop(self, limit):
+        ledger = self._ledger
+        self.stopped_step = ledger.step_reaching(limit)
+        forward = ledger.consecutive_forward >= limit
+        self.stop_message = messages.stop_message(
+            self.stopped_step, ledger.step, limit, forward, ledger.last_names, ledger.scale
         )
         self.model.stop_training = True
         if self.verbose:
-            self._pending_lines.append(self.stop_message)
+            self._pending.add_line(self.stop_message)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._optimizer is None:
+        if self._ledger is None:
             return
         self._process_pending_steps()
-        if self._csv_file is not None:
-            self._csv_file.flush()
-        summary = dict(self._epoch)
-        self.epoch_summaries.append(summary)
-        steps, skipped = summary["steps"], summary["skipped"]
-        rate = skipped / steps if steps else 0.0
+        self._csv.flush()
+        summary = self._ledger.end_epoch()
         if self.verbose:
-            breakdown = (
-                f": {summary['backward']} backward, {summary['forward']} forward"
-                if skipped
-                else ""
-            )
-            self._pending_lines.append(
-                f"epoch {summary['epoch']}: {skipped} of {_plural(steps, 'step')} "
-                f"skipped ({rate:.1%}{breakdown}), loss scale "
-                f"{_format_scale(summary['start_scale'])} -> "
-                f"{_format_scale(summary['end_scale'])} "
-                f"(min {_format_scale(summary['min_scale'])}, "
-                f"max {_format_scale(summary['max_scale'])})"
-            )
-        if self.warn_skip_rate is not None and steps and rate > self.warn_skip_rate:
-            self._pending_warnings.append(
-                _skip_rate_warning(summary, rate, self.warn_skip_rate)
+            self._pending.add_line(messages.epoch_line(summary))
+        # An epoch without steps has a rate of 0: never above the limit.
+        if self.warn_skip_rate is not None and messages.skip_rate(summary) > self.warn_skip_rate:
+            self._pending.add_warning(
+                messages.skip_rate_warning(summary, self.warn_skip_rate)
             )
 
     def on_train_end(self, logs=None):
-        if self._optimizer is not None:
+        if self._ledger is not None:
             self._process_pending_steps()
-        if self._csv_file is not None:
-            self._csv_file.close()
-            self._csv_file = None
-        if self._optimizer is not None and self.plot_path is not None:
-            _write_plot(self.plot_path, self._history)
-        self._print_pending()
-
-    def _print_pending(self):
-        # Printed at the next epoch's start or at the end of training, once
-        # the progress bar (the last callback) has finished its line.
-        for line in self._pending_lines:
-            _keras_internals.print_msg(line)
-        for message in self._pending_warnings:
-            warnings.warn(message, stacklevel=3)
-        self._pending_lines = []
-        self._pending_warnings = []
+        self._csv.close()
+        if self._ledger is not None and self.plot_path is not None:
+            write_plot(self.plot_path, self._ledger.history)
+        self._pending.flush()
 
 
-def _shorten_names(names, separator=", "):
-    shown = separator.join(names[:_NAMES_SHOWN])
-    if len(names) > _NAMES_SHOWN:
-        shown += f"{separator}+{len(names) - _NAMES_SHOWN} more"
-    return shown
+class _StepCsv:
+    """The monitor's per-step CSV: rewritten at each fit, flushed each epoch.
 
+    With `path=None` every method does nothing, so the monitor never checks
+    whether it writes a CSV.
+    """
 
-def _skip_rate_warning(summary, rate, warn_skip_rate):
-    parts = []
-    if summary["backward"]:
-        where = (
-            f"; first in {_shorten_names(summary['nonfinite_variables'])}"
-            if summary["nonfinite_variables"]
-            else ""
-        )
-        parts.append(
-            f"{_plural(summary['backward'], 'backward overflow')} (the loss "
-            f"was finite, its gradients were not{where})"
-        )
-    if summary["forward"]:
-        parts.append(
-            f"{_plural(summary['forward'], 'forward overflow')} (the loss "
-            "itself was inf or NaN)"
-        )
-    causes = []
-    if summary["forward"]:
-        causes.append(
-            "inputs or labels containing inf/NaN, or a layer overflowing "
-            "float16 in the forward pass (large activations, exp, sums of "
-            "squares): check the data with np.isfinite and give that layer "
-            'dtype="float32"'
-        )
-    if summary["backward"]:
-        causes.append(
-            "a learning rate too high, so the weights diverge: lower it or "
-            "clip the gradients (global_clipnorm=1.0); if the scale keeps "
-            "growing back into overflows, raise growth_interval"
-        )
-    causes.append("where the hardware supports it, mixed_bfloat16 needs no loss scaling")
-    return (
-        f"LossScaleMonitor: epoch {summary['epoch']} skipped "
-        f"{summary['skipped']} of {summary['steps']} steps ({rate:.1%}, above "
-        f"warn_skip_rate={warn_skip_rate:g}): {'; '.join(parts)}. Likely causes "
-        f"and what to try: {'; '.join(causes)}."
-    )
+    def __init__(self, path):
+        self._file = None
+        if path is None:
+            return
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        self._file = open(path, "w", newline="")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(CSV_COLUMNS)
+        self._file.flush()
 
+    def write(self, row):
+        """Writes one `kmp._ledger.Step` (nothing for `None`: no step taken)."""
+        if self._file is not None and row is not None:
+            self._writer.writerow((
+                row.step, row.loss, _csv_number(row.loss_scale), row.skipped, row.reason,
+                messages.shorten_names(row.nonfinite_variables, separator=";"),
+            ))
 
-def _write_plot(path, history):
-    """Writes the loss-scale and loss plot; warns instead when matplotlib is missing."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        warnings.warn(
-            "LossScaleMonitor: plot_path was given but matplotlib is not "
-            "installed, so no plot was written. Install it with "
-            "`pip install kmp[plot]` (or `pip install matplotlib`). "
-            f"Received: plot_path={path!r}",
-            stacklevel=3,
-        )
-        return
-    steps = np.asarray(history["step"], dtype=np.float64)
-    losses = np.asarray(history["loss"], dtype=np.float64)
-    scales = np.asarray(history["loss_scale"], dtype=np.float64)
-    before = np.asarray(history["scale_before"], dtype=np.float64)
-    reasons = np.asarray(history["reason"], dtype=object)
-    skipped = reasons != ""
-    forward = np.array(["forward" in r for r in reasons], dtype=bool)
+    def flush(self):
+        if self._file is not None:
+            self._file.flush()
 
-    # Figure without pyplot: no global state, no GUI backend needed.
-    figure = Figure(figsize=(8, 6), dpi=100)
-    scale_axis, loss_axis = figure.subplots(2, 1, sharex=True)
-    scale_axis.step(steps, scales, where="post", color="tab:blue", label="loss scale")
-    scale_axis.set_yscale("log", base=2)
-    if np.any(skipped & ~forward):
-        scale_axis.scatter(steps[skipped & ~forward], before[skipped & ~forward],
-                           marker="v", color="tab:red", zorder=3,
-                           label="skipped: gradients not finite")
-    if np.any(forward):
-        scale_axis.scatter(steps[forward], before[forward], marker="x",
-                           color="black", zorder=3, label="skipped: loss not finite")
-    scale_axis.set_ylabel("loss scale (log2)")
-    scale_axis.set_title(
-        f"{int(skipped.sum())} of {len(steps)} "
-        f"{'steps' if len(steps) != 1 else 'step'} skipped"
-    )
-    scale_axis.legend(loc="best", fontsize="small")
-    scale_axis.grid(True, which="major", alpha=0.3)
-
-    finite = np.isfinite(losses)
-    loss_axis.plot(steps[finite], losses[finite], color="tab:green", linewidth=1)
-    for step in steps[forward]:
-        loss_axis.axvline(step, color="black", alpha=0.2, linewidth=1)
-    loss_axis.set_xlabel("step")
-    loss_axis.set_ylabel("loss")
-    loss_axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    directory = os.path.dirname(os.fspath(path))
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    figure.savefig(path, format="png")
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None

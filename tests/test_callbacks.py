@@ -294,12 +294,6 @@ def test_no_end_of_fit_line_with_a_monitor(capsys):
     assert "epoch 1: 1 of 4 steps skipped" in out
 
 
-def test_small_values_print_as_powers_of_two():
-    assert kmp_callbacks._format_scale(32768.0) == "32768"
-    assert kmp_callbacks._format_scale(0.125) == "2^-3"
-    assert kmp_callbacks._format_scale(0.3) == "0.3"
-
-
 def test_plain_keras_model_with_kmp_optimizer(tmp_path):
     model = _model(
         model_class=keras.Model,

@@ -1,6 +1,5 @@
 """kmp.diagnose: the layer, the tensor and the direction of a 16-bit failure."""
 
-import importlib
 import json
 
 import keras
@@ -10,9 +9,7 @@ import tensorflow as tf
 from keras import ops
 
 import kmp
-
-# `kmp.diagnose` is the function; the module holds the helpers under test.
-diagnose_module = importlib.import_module("kmp.diagnose")
+from kmp import _diagnose_probe
 
 
 def _dense_model(names, units, policy="float32"):
@@ -64,7 +61,7 @@ def test_forward_overflow_names_the_layer():
     assert big["max_abs_activation"] == pytest.approx(8e4)
     assert big["rel_error"] == float("inf")
     assert report.layer("small")["activation_overflow"] == 0.0
-    expected = "mixed_bfloat16" if diagnose_module._hardware_has_bfloat16() else "float32"
+    expected = "mixed_bfloat16" if _diagnose_probe.hardware_has_bfloat16() else "float32"
     assert report.recommended_policy == expected
     assert "65504" in report.policy_reason
     assert "big (output), forward" in str(report)
@@ -119,7 +116,7 @@ def test_underflowing_layer_is_named():
     expected_zero = np.mean((gradients != 0) & (flushed == 0))
     assert report.underflow_at_recommended["zero"] == pytest.approx(expected_zero)
     # 80% of the gradient values lost even at the largest safe scale.
-    expected = "mixed_bfloat16" if diagnose_module._hardware_has_bfloat16() else "float32"
+    expected = "mixed_bfloat16" if _diagnose_probe.hardware_has_bfloat16() else "float32"
     assert report.recommended_policy == expected
     assert "flush to zero" in report.policy_reason
 
@@ -133,7 +130,7 @@ def test_float16_counts_match_tensorflows_cast():
     values = np.concatenate([boundaries, -boundaries,
                              np.random.default_rng(0).lognormal(-10, 8, 2000).astype(np.float32)])
     for scale in (1.0, 2.0**-3, 2.0**15):
-        counts = diagnose_module._float16_counts(values, scale)
+        counts = _diagnose_probe.float16_counts(values, scale)
         cast = tf.cast(tf.constant(values * scale), tf.float16).numpy().astype(np.float64)
         assert counts["overflow"] == np.sum(np.isinf(cast))
         assert counts["zero"] == np.sum((values != 0) & (cast == 0))
@@ -143,7 +140,7 @@ def test_float16_counts_match_tensorflows_cast():
 @pytest.mark.parametrize("largest", [0.0, 1e-9, 0.37, 1.0, 65504.0, 65520.0, 3e8, 1e13])
 def test_recommended_scale_matches_brute_force(largest):
     gradients = np.array([largest, largest / 3, 1e-6], dtype=np.float32)
-    assert diagnose_module._recommend_loss_scale(gradients) == _brute_force_scale(
+    assert _diagnose_probe.recommend_loss_scale(gradients) == _brute_force_scale(
         gradients.astype(np.float64)
     )
 

@@ -1,0 +1,205 @@
+"""`kmp.diagnose`'s static checks: hazards read from the model, without data.
+
+Epsilons below float16's smallest normal, constants that overflow float16
+(a `-1e9` mask) in a custom layer's `call()`, exponentials, norms and sums of
+squares computed in float16 without a cast to float32, and model outputs that
+are not float32.
+"""
+
+import ast
+import inspect
+import textwrap
+
+import keras
+
+from kmp._float16 import FLOAT16_SMALLEST_NORMAL
+from kmp._float16 import OVERFLOW_AT
+
+# Keras layers that add their epsilon in float32 whatever their compute dtype
+# (their statistics are computed in at least float32).
+_FLOAT32_STATISTICS_LAYERS = tuple(
+    cls
+    for cls in (
+        getattr(keras.layers, name, None)
+        for name in (
+            "BatchNormalization",
+            "LayerNormalization",
+            "GroupNormalization",
+            "RMSNormalization",
+        )
+    )
+    if cls is not None
+)
+
+_EXP_CALLS = {"exp", "expm1", "softmax", "log_softmax", "logsumexp"}
+_NORM_CALLS = {"norm", "l2_normalize", "normalize", "rsqrt", "moments", "var", "std"}
+_SQUARE_CALLS = {"square", "power", "pow"}
+_SUM_CALLS = {"sum", "mean", "reduce_sum", "reduce_mean"}
+
+
+def static_findings(model, reduced):
+    """The hazards in `model`'s layers, read from code and config, not data.
+
+    Args:
+        model: The user's model (its layers' classes and `call` sources).
+        reduced: Its copy computing in the reduced dtype (which layers run
+            in float16, and the dtypes of the outputs).
+
+    Returns:
+        A list of dicts with `check`, `layer`, `message` and `fix`.
+    """
+    findings = []
+    original = {layer.name: layer for layer in _all_layers(model)}
+    for layer in _all_layers(reduced):
+        user_layer = original.get(layer.name, layer)
+        in_float16 = layer.compute_dtype == "float16"
+        custom = not type(user_layer).__module__.startswith("keras")
+        source = _call_source(user_layer) if custom else None
+        upcasts = source is not None and "float32" in source
+        syntax = ast.parse(source) if source is not None else None
+        epsilon = _epsilon(user_layer)
+        if epsilon is None and syntax is not None:
+            # A literal such as `+ 1e-8` in call().
+            epsilon = min(_small_constants(syntax), default=None)
+        if (
+            in_float16
+            and epsilon is not None
+            and 0 < epsilon < FLOAT16_SMALLEST_NORMAL
+            and not isinstance(user_layer, _FLOAT32_STATISTICS_LAYERS)
+            and not upcasts
+        ):
+            findings.append(_finding(
+                "epsilon", layer,
+                f"epsilon={epsilon:g} is below float16's smallest normal "
+                "(6.1e-05): in float16 it is subnormal or zero, so "
+                "`x / (norm + epsilon)` can divide by zero.",
+                "use epsilon >= 1e-4 (or 6.1e-5), or compute this layer in "
+                "float32 (dtype='float32')",
+            ))
+        if source is None:
+            continue
+        for value in _large_constants(syntax):
+            if in_float16:
+                findings.append(_finding(
+                    "constant", layer,
+                    f"the constant {value:g} in call() overflows float16 "
+                    "(largest finite: 65504) and becomes inf: `mask * -1e9` "
+                    "gives NaN where the mask is 0 (0 * inf), and a fully "
+                    "masked softmax row gives NaN (-inf - -inf).",
+                    "use a constant float16 can hold, e.g. "
+                    "keras.ops.where(mask, x, -3e4), or compute this layer "
+                    "in float32 (dtype='float32')",
+                ))
+        if in_float16 and not upcasts:
+            risky = _risky_calls(syntax)
+            if risky:
+                findings.append(_finding(
+                    "float16 math", layer,
+                    f"call() computes {', '.join(risky)} in float16, which "
+                    "overflows above 65504: exp(x) for x > 11.1, x**2 for "
+                    "|x| > 256.",
+                    "cast the inputs to float32 first "
+                    "(keras.ops.cast(x, 'float32')) and the result back, or "
+                    "give the layer dtype='float32'",
+                ))
+    findings.extend(_output_findings(model, reduced))
+    return findings
+
+
+def _all_layers(model):
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if not isinstance(layer, (keras.layers.InputLayer, keras.Model))
+    ]
+
+
+def _finding(check, layer, message, fix):
+    return {"check": check, "layer": layer.name, "message": message, "fix": fix}
+
+
+def _epsilon(layer):
+    for name in ("epsilon", "eps"):
+        value = getattr(layer, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _call_source(layer):
+    try:
+        return textwrap.dedent(inspect.getsource(type(layer).call))
+    except (OSError, TypeError):
+        return None  # Defined in a REPL or C: nothing to read.
+
+
+def _large_constants(tree_):
+    # A negative literal is UnaryOp(USub, Constant): report it with its sign.
+    negated = {
+        id(node.operand)
+        for node in ast.walk(tree_)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+    }
+    values = []
+    for node in ast.walk(tree_):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+            and abs(node.value) >= OVERFLOW_AT
+        ):
+            values.append(-float(node.value) if id(node) in negated else float(node.value))
+    return values
+
+
+def _small_constants(tree_):
+    return [
+        float(node.value)
+        for node in ast.walk(tree_)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, float)
+        and 0 < node.value < FLOAT16_SMALLEST_NORMAL
+    ]
+
+
+def _risky_calls(tree_):
+    called = set()
+    squares = False
+    for node in ast.walk(tree_):
+        if isinstance(node, ast.Call):
+            function = node.func
+            name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+            if name:
+                called.add(name)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            squares = True
+    risky = []
+    if called & _EXP_CALLS:
+        risky.append("an exponential (" + ", ".join(sorted(called & _EXP_CALLS)) + ")")
+    if called & _NORM_CALLS:
+        risky.append("a norm (" + ", ".join(sorted(called & _NORM_CALLS)) + ")")
+    if (squares or called & _SQUARE_CALLS) and called & _SUM_CALLS:
+        risky.append("a sum of squares")
+    return risky
+
+
+def _output_findings(model, reduced):
+    from kmp.model import Model
+
+    if isinstance(model, Model):
+        return []  # kmp.Model casts its outputs to float32.
+    findings = []
+    for tensor in keras.tree.flatten(reduced.outputs):
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        if dtype != "float32":
+            layer = tensor._keras_history.operation
+            findings.append(_finding(
+                "output dtype", layer,
+                f"the model output is {dtype}, so the loss is computed from "
+                f"{dtype} predictions (3 significant digits in float16; "
+                "probabilities near 0 or 1 round to them, and log(0) "
+                "appears).",
+                "end the model with keras.layers.Activation('linear', "
+                "dtype='float32'), or build it as a kmp.Model",
+            ))
+    return findings

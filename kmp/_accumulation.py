@@ -77,35 +77,46 @@ def step(optimizer, replicas, decision, apply_on_replicas):
         window.assign(bad)
         return bad
 
-    window_bad = replicas.run(note, decision)
+    local_bad = replicas.run(note, decision)
 
-    def discard():
-        inner._backend_reset_gradient_accumulators()
+    # The window's one collective, on its last micro-batch only.
+    window_bad = ops.cond(
+        boundary,
+        lambda: replicas.first(replicas.run(_sum_over_replicas, local_bad)),
+        lambda: ops.zeros((2,), "float32"),
+    )
+    finite = ops.equal(window_bad[0], 0.0)
+    discard = ops.logical_and(boundary, ops.logical_not(finite))
+    # One dispatch, so the inner optimizer's apply is traced once; a
+    # discarded window only rewinds the inner step count to its start.
+    def rewind():
         micro_steps.assign(micro_steps - (window_length - 1))
 
-    def last_micro_batch():
-        bad = replicas.first(replicas.run(_sum_over_replicas, window_bad))
-        finite = ops.equal(bad[0], 0.0)
-        ops.cond(finite, apply_on_replicas, discard)
+    ops.cond(discard, rewind, apply_on_replicas)
+    # One reset for both cases: a discarded window, and a micro-batch with
+    # an overflow (now or earlier) mid-window (the window is lost anyway,
+    # and no inf or NaN stays in the accumulators).
+    replicas.run(
+        lambda bad: ops.cond(
+            ops.logical_or(
+                discard, ops.logical_and(ops.logical_not(boundary), ops.greater(bad[0], 0))
+            ),
+            inner._backend_reset_gradient_accumulators,
+            lambda: None,
+        ),
+        local_bad,
+    )
+
+    def end_window():
         optimizer._update_state(
-            replicas.first(decision)._replace(finite=finite, loss_finite=ops.equal(bad[1], 0.0))
+            replicas.first(decision)._replace(
+                finite=finite, loss_finite=ops.equal(window_bad[1], 0.0)
+            )
         )
         window.assign(ops.zeros((2,), "int64"))
 
-    def other_micro_batch():
-        apply_on_replicas()
-        replicas.run(lambda bad: _reset_if_bad(inner, bad), window_bad)
-
-    ops.cond(boundary, last_micro_batch, other_micro_batch)
+    ops.cond(boundary, end_window, lambda: None)
 
 
 def _sum_over_replicas(window_bad):
     return _replicas.all_reduce_sum([ops.cast(window_bad, "float32")])[0]
-
-
-def _reset_if_bad(inner, window_bad):
-    ops.cond(
-        ops.greater(window_bad[0], 0),
-        inner._backend_reset_gradient_accumulators,
-        lambda: None,
-    )

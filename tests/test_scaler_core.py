@@ -1,0 +1,381 @@
+"""The scaler core under every strategy path: the peer-suite bugs of issue 15,
+variables safe without merge_call, accumulation traffic, the pass-through
+switch and gradients of a loss that was never scaled."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+from benchmarks import harness
+import kmp
+from kmp import _replicas
+
+
+def _multi_optimizer(learning_rate=0.1):
+    return keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(default_optimizer=keras.optimizers.SGD(learning_rate))
+    )
+
+
+def _distributed_sgd_step(strategy, optimizer, scaled):
+    """w = 2; each replica's loss is 0.5 * w / replicas (Keras' convention), so
+    the summed gradient is 0.5; returns w after one step."""
+    with strategy.scope():
+        w = keras.Variable(2.0)
+
+    def step():
+        # Eager: Keras' own MultiOptimizer fails inside a tf.function under
+        # MirroredStrategy (a placeholder left in its cond); fit traces it
+        # its own way (see the compiled test below).
+        def replica_step():
+            with tf.GradientTape() as tape:
+                loss = 0.5 * w / strategy.num_replicas_in_sync
+                if scaled:
+                    loss = optimizer.scale_loss(loss)
+            optimizer.apply(tape.gradient(loss, [w]), [w])
+
+        strategy.run(replica_step)
+
+    step()
+    return float(w.numpy())
+
+
+
+def test_multi_optimizer_under_mirrored_equals_the_unwrapped_run(mirrored_strategy):
+    with mirrored_strategy.scope():
+        bare = _multi_optimizer()
+        wrapped = kmp.LossScaleOptimizer(_multi_optimizer(), initial_scale=10.0)
+    expected = _distributed_sgd_step(mirrored_strategy, bare, scaled=False)
+    assert expected == pytest.approx(2.0 - 0.1 * 0.5)
+    assert _distributed_sgd_step(mirrored_strategy, wrapped, scaled=True) == pytest.approx(expected)
+
+
+def test_compiled_multi_optimizer_under_mirrored_equals_plain_sgd(mirrored_strategy):
+    kmp.set_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    weights = {}
+    for kind in ("sgd", "multi"):
+        keras.utils.set_random_seed(0)
+        with mirrored_strategy.scope():
+            inputs = keras.Input((4,))
+            model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+            optimizer = keras.optimizers.SGD(0.1) if kind == "sgd" else _multi_optimizer()
+            # 2**8: no float16 overflow on this data, so both runs apply every step.
+            model.compile(kmp.LossScaleOptimizer(optimizer, initial_scale=2.0**8), "mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        weights[kind] = [np.asarray(v) for v in model.weights]
+        assert int(model.optimizer.skipped_steps) == 0
+    for sgd, multi in zip(weights["sgd"], weights["multi"]):
+        np.testing.assert_allclose(multi, sgd, rtol=1e-6, atol=1e-7)
+
+
+def _mixed_dtype_model():
+    """out = x @ (w16 + w32): one float16 kernel beside a float32 one."""
+    inputs = keras.Input((2,))
+    half = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", dtype="float16")
+    full = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+    outputs = keras.layers.Add(dtype="float32")(
+        [keras.layers.Activation("linear", dtype="float32")(half(inputs)), full(inputs)]
+    )
+    return kmp.Model(inputs, outputs), half, full
+
+
+def test_mixed_dtype_gradients_train_under_mirrored_and_match_hand_computed(mirrored_strategy):
+    kmp.set_policy("mixed_float16")
+    x = np.array([[1.0, 2.0], [0.5, -1.0], [2.0, 0.0], [-1.0, 1.0]], "float32")
+    y = np.zeros((4, 1), "float32")
+    with mirrored_strategy.scope():
+        model, half, full = _mixed_dtype_model()
+        # A scale that keeps the float16 kernel's scaled gradient (~2**5) finite.
+        model.compile(kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**4), "mse")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    # float64 by hand: pred = x @ 2, d mse / d w = 2 * mean(pred * x), the
+    # same for both kernels.
+    pred = x.astype("float64") @ np.array([[2.0], [2.0]])
+    grad = 2.0 * (pred * x).mean(axis=0)
+    expected = 1.0 - 0.01 * grad
+    assert half.kernel.dtype == "float16"
+    np.testing.assert_allclose(np.asarray(full.kernel)[:, 0], expected, rtol=1e-6)
+    # One float16 rounding of the update.
+    np.testing.assert_allclose(
+        np.asarray(half.kernel, "float64")[:, 0], expected, rtol=2**-10, atol=2**-11
+    )
+    assert int(model.optimizer.skipped_steps) == 0
+
+
+def test_all_reduce_sum_groups_by_dtype_and_keeps_order(mirrored_strategy):
+    def replica_values():
+        values = (
+            tf.constant([1.0, 2.0], "float16"),
+            None,
+            tf.constant(3.0, "float32"),
+            tf.constant([4.0], "float16"),
+        )
+        return _replicas.all_reduce_sum(values)
+
+    result = tf.function(lambda: mirrored_strategy.run(replica_values))()
+    local = [
+        None if r is None else mirrored_strategy.experimental_local_results(r)[0].numpy()
+        for r in result
+    ]
+    assert local[1] is None
+    np.testing.assert_array_equal(local[0], [2.0, 4.0])
+    assert local[2] == 6.0 and local[0].dtype == np.float16
+    np.testing.assert_array_equal(local[3], [8.0])
+
+
+# -- 16-bit layer losses ------------------------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="kmp_tests")
+class RegularizedModel(kmp.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(1e-3))
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _regularized(kind):
+    if kind == "subclassed":
+        return RegularizedModel()
+    layers = [
+        keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(1e-3)),
+        keras.layers.Dense(1),
+    ]
+    if kind == "sequential":
+        return kmp.convert(keras.Sequential([keras.Input((4,))] + layers), compile=False)
+    inputs = keras.Input((4,))
+    return kmp.Model(inputs, layers[1](layers[0](inputs)))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
+def test_16_bit_layer_losses_train_save_and_load(policy, kind, tmp_path):
+    kmp.set_policy(policy)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    model = _regularized(kind)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    assert all(np.isfinite(history["loss"]))
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(
+        np.asarray(loaded.predict(x, verbose=0)), np.asarray(model.predict(x, verbose=0)),
+        rtol=1e-6,
+    )
+    assert np.isfinite(loaded.fit(x, y, batch_size=8, verbose=0).history["loss"][0])
+
+
+def test_16_bit_layer_losses_train_under_mirrored(mirrored_strategy):
+    kmp.set_policy("mixed_float16")
+    x = np.ones((16, 4), "float32")
+    y = np.zeros((16, 1), "float32")
+    with mirrored_strategy.scope():
+        model = _regularized("functional")
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+    assert np.isfinite(model.fit(x, y, batch_size=8, verbose=0).history["loss"][0])
+
+
+# -- variables and the no-merge-call path ----------------------------------
+
+
+def test_kmp_variables_need_no_merge_call_to_assign():
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(gradient_accumulation_steps=2), initial_scale=4.0
+    )
+    optimizer.build([keras.Variable(1.0)])
+    own = [
+        optimizer._loss_scale, optimizer._counters, optimizer._nonfinite_gradients,
+        optimizer._accumulation_window,
+    ]
+    for variable in own:
+        assert variable.aggregation == "none", variable.name
+        assert variable.dtype in ("float32", "int64"), variable.name
+
+
+@pytest.mark.gpu
+def test_all_gpu_mirrored_strategy_under_xla_trains_and_skips():
+    # TensorFlow takes its no-merge_call path only here (every device a GPU,
+    # the step compiled with XLA): replica-context assigns inside conds.
+    gpus = tf.config.list_logical_devices("GPU")
+    strategy = tf.distribute.MirroredStrategy([d.name for d in gpus])
+    kmp.set_policy("mixed_float16")
+    x = np.ones((32, 4), "float32")
+    x[8:16] = 1e30  # step 1's batch overflows: skipped on every replica
+    y = np.zeros((32, 1), "float32")
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(keras.optimizers.SGD(0.01), "mse", loss_scale="dynamic", jit_compile=True)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.skipped_steps) == 1
+    assert int(model.optimizer.iterations) == 3
+    assert float(model.optimizer.loss_scale) == 2.0**14
+
+
+def _count_decision_reductions(monkeypatch):
+    calls = []
+    all_reduce_sum = _replicas.all_reduce_sum
+
+    def counting(tensors):
+        calls.append(len([t for t in tensors if t is not None]))
+        return all_reduce_sum(tensors)
+
+    monkeypatch.setattr(_replicas, "all_reduce_sum", counting)
+    return calls
+
+
+@pytest.mark.parametrize("accumulation", [None, 4])
+def test_one_reduction_per_applied_step_for_the_decision(accumulation, monkeypatch):
+    calls = _count_decision_reductions(monkeypatch)
+    variables = [keras.Variable(np.ones((3,), "float32")) for _ in range(5)]
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, gradient_accumulation_steps=accumulation), initial_scale=4.0
+    )
+    optimizer.build(variables)
+
+    @tf.function
+    def step(poison):
+        with tf.GradientTape() as tape:
+            loss = ops.sum(ops.stack([ops.sum(v) for v in variables])) * poison
+            loss = optimizer.scale_loss(loss)
+        optimizer.apply(tape.gradient(loss, variables), variables)
+
+    for poison in (1.0, 1.0, 1.0, 1.0, np.inf, 1.0, 1.0, 1.0):
+        step(tf.constant(poison))
+    if accumulation:
+        # Traced once: one collective of the window's two flags, in the
+        # branch of a window's last micro-batch; none per micro-batch.
+        assert calls == [1]
+        assert int(optimizer.iterations) == 1 and int(optimizer.skipped_steps) == 1
+        np.testing.assert_allclose(np.asarray(variables[0]), 1.0 - 0.1)
+        for accumulator in optimizer.inner_optimizer._accumulated_gradients:
+            assert np.all(np.isfinite(np.asarray(accumulator)))
+    else:
+        # The gradients and the loss's flag, summed together.
+        assert calls == [len(variables) + 1]
+        assert int(optimizer.iterations) == 7 and int(optimizer.skipped_steps) == 1
+
+
+def test_accumulated_step_adds_no_more_ops_per_gradient_than_keras():
+    # A finite window pays no pass over the gradients beyond Keras' own
+    # scaler (a finite check and a division): nothing zeroes a micro-batch.
+    def scaling_ops(optimizer_class, count):
+        variables = [keras.Variable(np.ones((3, 2), "float32")) for _ in range(count)]
+        inner = keras.optimizers.SGD(gradient_accumulation_steps=4)
+        types = harness.count_apply_ops(optimizer_class(inner), variables)
+        plain = harness.count_apply_ops(
+            keras.optimizers.SGD(gradient_accumulation_steps=4), variables
+        )
+        return types, sum(types.values()) - sum(plain.values())
+
+    (kmp_types, kmp_8), (_, kmp_24) = (scaling_ops(kmp.LossScaleOptimizer, n) for n in (8, 24))
+    (keras_types, keras_8), (_, keras_24) = (
+        scaling_ops(keras.optimizers.LossScaleOptimizer, n) for n in (8, 24)
+    )
+    assert kmp_types["IsFinite"] == keras_types["IsFinite"] == 8
+    # Per gradient, Keras' ops plus one accumulator reset (a constant and an
+    # assign) in the branch that only a window with an overflow takes.
+    assert kmp_24 - kmp_8 <= keras_24 - keras_8 + 2 * 16, (kmp_24 - kmp_8, keras_24 - keras_8)
+
+
+# -- the pass-through switch and explicit scalers ----------------------------
+
+
+def _train_sgd(optimizer, grads_per_step, scaled=True):
+    w = keras.Variable([1.0, 1.0])
+    for g in grads_per_step:
+        with tf.GradientTape() as tape:
+            loss = ops.sum(w * ops.convert_to_tensor(g, "float32"))
+            if scaled:
+                loss = optimizer.scale_loss(loss)
+        optimizer.apply(tape.gradient(loss, [w]), [w])
+    return np.asarray(w)
+
+
+def test_enabled_false_is_a_pass_through():
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), enabled=False)
+    loss = ops.convert_to_tensor(3.0)
+    assert optimizer.scale_loss(loss) is loss
+    assert float(optimizer.loss_scale) == 1.0
+    weights = _train_sgd(optimizer, [[1.0, 2.0], [1.0, np.inf]])
+    # Nothing is checked or skipped: the inner optimizer applies the inf.
+    assert weights[0] == 0.0 and weights[1] == -np.inf
+    assert int(optimizer.skipped_steps) == 0 and int(optimizer.iterations) == 2
+    config = optimizer.get_config()
+    assert config["enabled"] is False
+    assert kmp.LossScaleOptimizer.from_config(config).enabled is False
+
+
+def test_enabled_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"`enabled` must be True or False. Received: enabled='no'"):
+        kmp.LossScaleOptimizer("sgd", enabled="no")
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_explicit_scaler_under_bfloat16_and_float32_scales_exactly(policy):
+    kmp.set_policy(policy)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    weights = {}
+    for loss_scale in (None, "dynamic"):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = kmp.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(inputs)))
+        model.compile(keras.optimizers.SGD(0.1), "mse", loss_scale=loss_scale)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        weights[loss_scale] = [np.asarray(v) for v in model.weights]
+        if loss_scale == "dynamic":
+            # The docstring: it scales (by a power of two, exactly) and skips nothing.
+            assert float(model.optimizer.loss_scale) == 2.0**15
+            assert int(model.optimizer.skipped_steps) == 0
+    for plain, scaled in zip(weights[None], weights["dynamic"]):
+        np.testing.assert_allclose(scaled, plain, rtol=1e-6, atol=1e-7)
+
+
+# -- gradients of a loss that was never scaled ---------------------------
+
+
+def test_gradients_of_an_unscaled_loss_are_applied_unscaled_with_one_warning():
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=2.0**15)
+    with pytest.warns(UserWarning, match=r"loss = optimizer.scale_loss\(loss\)") as record:
+        weights = _train_sgd(optimizer, [[1.0, 2.0], [1.0, 2.0]], scaled=False)
+    assert sum("scale_loss" in str(w.message) for w in record) == 1
+    np.testing.assert_allclose(weights, [0.0, -1.0])  # 1 - 2 * 0.5 * g
+    # An overflow is still skipped.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_sgd(optimizer, [[np.inf, 0.0]], scaled=False)
+    assert int(optimizer.skipped_steps) == 1
+
+
+def test_scaled_and_hand_scaled_gradients_are_divided_in_a_tf_function():
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8.0)
+    w = keras.Variable([1.0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(2.0 * w[0])
+        optimizer.apply(tape.gradient(loss, [w]), [w])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step()
+        step()
+        np.testing.assert_allclose(np.asarray(w), [-1.0])
+        optimizer.apply([ops.array([8.0 * 2.0])], [w])  # by hand: divided, as in Keras
+    np.testing.assert_allclose(np.asarray(w), [-2.0])

@@ -383,7 +383,6 @@ def recommend_policy(target, measured, has_bf16):
 
 
 def hardware_has_bfloat16():
-    capabilities = policy_module._gpu_compute_capabilities()
-    if capabilities:
-        return min(capabilities)[0] >= 8
-    return bool({"avx512_bf16", "amx_bf16"} & policy_module._cpu_flags())
+    return policy_module._runs_bfloat16(
+        policy_module._gpu_compute_capabilities(), policy_module._cpu_flags()
+    )

@@ -156,12 +156,11 @@ def _fail(args, code, message, report=None):
 
 def _devices(tf, policy_module):
     gpus = []
-    for gpu in tf.config.list_physical_devices("GPU"):
-        details = tf.config.experimental.get_device_details(gpu)
+    for device, details in policy_module._gpus():
         capability = details.get("compute_capability")
         gpus.append({
-            "name": details.get("device_name", gpu.name),
-            "device": gpu.name,
+            "name": details.get("device_name", device),
+            "device": device,
             "compute_capability": (
                 f"{capability[0]}.{capability[1]}" if capability else None
             ),
@@ -237,6 +236,8 @@ def _benchmark(tf, device, seconds, devices):
     Each op gets half the budget, and its three dtypes take turns, so a
     machine that is busy for a moment slows all three alike.
     """
+    from kmp import policy as policy_module
+
     on_gpu = device.startswith("/GPU")
     results = []
     for op, shape, build in _cases(tf, on_gpu):
@@ -283,10 +284,10 @@ def _benchmark(tf, device, seconds, devices):
             "what that emulation gives here. Loss scaling is only needed "
             "for float16."
         )
-    if not on_gpu and not (flags["avx512_bf16"] or flags["amx_bf16"]):
+    if not on_gpu and not policy_module._runs_bfloat16([], policy_module._cpu_flags()):
         notes.append(
-            "bfloat16 has no native instructions on this CPU (no avx512_bf16 "
-            "or amx_bf16)."
+            "bfloat16 has no native instructions on this CPU (no "
+            f"{' or '.join(policy_module._BFLOAT16_CPU_FLAGS)})."
         )
     return {"device": device, "seconds": seconds, "results": results, "notes": notes}
 

@@ -9,24 +9,6 @@ from kmp import _keras_internals
 from kmp import model as model_module
 from kmp import policy as policy_module
 
-_POLICY_CHOICES = "'float32', 'mixed_float16', 'mixed_bfloat16', 'auto', a kmp.Policy, or None"
-
-
-def _resolve_policy(policy):
-    if policy is None:
-        return policy_module.get_policy()
-    if isinstance(policy, policy_module.Policy):
-        return policy
-    if policy == "auto":
-        return policy_module._resolve_auto()
-    if isinstance(policy, str) and policy in policy_module.POLICY_NAMES:
-        return policy_module.Policy(policy, reason=f"kmp.convert(policy={policy!r})")
-    raise ValueError(
-        f"Unknown policy name. `policy` must be {_POLICY_CHOICES} (the active "
-        f"kmp policy). Received: policy={policy!r}"
-    )
-
-
 @contextlib.contextmanager
 def _keras_policy(name):
     # Keras' global policy only: kmp's own state (keep_float32) is left alone.
@@ -38,7 +20,7 @@ def _keras_policy(name):
         keras.config.set_dtype_policy(previous)
 
 
-def _policy_name(dtype):
+def _serialized_policy_name(dtype):
     """The policy name a serialized `dtype` entry holds, or `None`."""
     if isinstance(dtype, str):
         return dtype
@@ -62,7 +44,7 @@ def _repolicied(config, source, target):
         return config
     result = {}
     for key, value in config.items():
-        if key == "dtype" and _policy_name(value) == source:
+        if key == "dtype" and _serialized_policy_name(value) == source:
             result[key] = target
         else:
             result[key] = _repolicied(value, source, target)
@@ -128,7 +110,11 @@ class _WrappedModel(model_module.Model):
     def call(self, inputs, training=None):
         with contextlib.ExitStack() as stack:
             if self._kmp_wrapped_policy is not None:
-                stack.enter_context(_switched_policy(self.wrapped, self._kmp_wrapped_policy))
+                stack.enter_context(
+                    policy_module._layer_policies(
+                        _following_layers(self.wrapped, self._kmp_wrapped_policy)
+                    )
+                )
                 # Planned after the switch: before it, the layers kmp keeps in
                 # float32 may not have been 16-bit at all.
                 stack.enter_context(
@@ -154,23 +140,20 @@ class _WrappedModel(model_module.Model):
         return cls(**config)
 
 
-@contextlib.contextmanager
-def _switched_policy(model, policy):
+def _following_layers(model, policy):
+    """Each layer of `model` that follows the model's own policy, mapped to `policy`.
+
+    A layer with a policy of its own (`dtype=` on the layer, a quantized or
+    a `DTypePolicyMap` one) and the input layers are left out.
+    """
     source = model.dtype_policy.name
-    changed = []
-    try:
-        for layer in model._flatten_layers(include_self=True, recursive=True):
-            if (
-                policy_module._can_change_policy(layer)
-                and layer.dtype_policy.name == source
-                and not isinstance(layer, keras.layers.InputLayer)
-            ):
-                changed.append((layer, layer.dtype_policy))
-                layer.dtype_policy = policy
-        yield
-    finally:
-        for layer, previous in reversed(changed):
-            layer.dtype_policy = previous
+    return {
+        layer: policy
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if policy_module._can_change_policy(layer)
+        and layer.dtype_policy.name == source
+        and not isinstance(layer, keras.layers.InputLayer)
+    }
 
 
 def _as_kmp_model(clone):
@@ -272,7 +255,11 @@ def convert(model, policy=None, keep_float32=None, compile=True):
             "`model` must be a keras.Model (functional, Sequential, subclassed "
             f"or a keras-hub model). Received: model of type {type(model).__name__}"
         )
-    target = _resolve_policy(policy)
+    target = policy_module._resolve_policy(
+        policy, "policy", caller="kmp.convert", none_means="the active kmp policy"
+    )
+    if target is None:
+        target = policy_module.get_policy()
     rules = policy_module._Float32Rules.parse(keep_float32)
     rules.check_names(model)
     if policy_module._global_keep_float32 is not None:

@@ -15,7 +15,6 @@ for each layer (the model itself included, input layers excluded):
 ```
 """
 
-import contextlib
 import os
 import zipfile
 
@@ -24,26 +23,12 @@ import keras
 from kmp import _keras_internals
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
-from kmp.model import _computes_in_float16
-from kmp.model import _to_float32
-
-INFERENCE_POLICY_NAMES = policy_module.POLICY_NAMES + ("auto",)
-_16_BIT_DTYPES = ("float16", "bfloat16")
 
 
-def _resolve_policy_name(argument, value):
-    """Returns the kmp policy name `value` asks for (`"auto"` resolved)."""
-    if isinstance(value, policy_module.Policy):
-        return value.name
-    if value == "auto":
-        return policy_module._resolve_auto().name
-    if isinstance(value, str) and value in policy_module.POLICY_NAMES:
-        return value
-    raise ValueError(
-        f"Unknown policy name. `{argument}` must be one of "
-        f"{', '.join(map(repr, INFERENCE_POLICY_NAMES))} or None (the "
-        f"model's own policy). Received: {argument}={value!r}"
-    )
+def _policy_name(value, argument, caller, none_means):
+    """The policy name `value` asks for (`"auto"` resolved), or `None`."""
+    policy = policy_module._resolve_policy(value, argument, caller, none_means=none_means)
+    return None if policy is None else policy.name
 
 
 def _inference_layer_policy(layer, model_is_16_bit, policy_name):
@@ -65,24 +50,27 @@ def _inference_layer_policy(layer, model_is_16_bit, policy_name):
     return policy_name
 
 
-def _set_compute_policy(model, policy_name):
-    """Applies `policy_name` to the layers of `model` by the module's rule.
+def _inference_policies(model, policy_name):
+    """Which layers of `model` change policy under `policy_name`, by the module's rule.
 
     Returns:
-        List of `(layer, previous_dtype_policy)` for every layer changed, in
-        the order they were changed.
+        Dict from each layer whose policy changes to its new policy name
+        (empty for `policy_name=None`), the model itself first.
     """
+    if policy_name is None:
+        return {}
     layers = list(model._flatten_layers(include_self=True, recursive=True))
     # Not `model.dtype_policy`: a loaded functional model takes the global
     # policy of the moment it was loaded, whatever its layers were saved with.
     model_is_16_bit = any(
-        keras.backend.standardize_dtype(layer.compute_dtype) in _16_BIT_DTYPES
+        keras.backend.standardize_dtype(layer.compute_dtype)
+        in policy_module._16_BIT_DTYPES
         and not isinstance(
             layer, (keras.layers.InputLayer,) + policy_module.FLOAT32_LAYER_CLASSES
         )
         for layer in layers[1:]
     )
-    changed = []
+    changed = {}
     for layer in layers:
         if layer is model:
             # The model's own policy only casts its inputs: always follow.
@@ -90,28 +78,8 @@ def _set_compute_policy(model, policy_name):
         else:
             new_policy = _inference_layer_policy(layer, model_is_16_bit, policy_name)
         if new_policy is not None and new_policy != layer.dtype_policy.name:
-            changed.append((layer, layer.dtype_policy))
-            layer.dtype_policy = new_policy
+            changed[layer] = new_policy
     return changed
-
-
-@contextlib.contextmanager
-def _compute_policy_scope(model, policy_name):
-    """Runs a block with `model` computing under `policy_name`, then restores it.
-
-    The layers are switched in place: the variables (float32 under every
-    kmp policy) are shared, so nothing is copied and the block sees exactly
-    the trained weights. `None` leaves the model as it is.
-    """
-    if policy_name is None:
-        yield
-        return
-    changed = _set_compute_policy(model, policy_name)
-    try:
-        yield
-    finally:
-        for layer, previous in reversed(changed):
-            layer.dtype_policy = previous
 
 
 def export(
@@ -185,17 +153,21 @@ def export(
     served.serve(x)  # float32 in, float32 out, no float16 op in the graph
     ```
     """
-    policy_name = (
-        None
-        if inference_policy is None
-        else _resolve_policy_name("inference_policy", inference_policy)
+    policy_name = _policy_name(
+        inference_policy,
+        "inference_policy",
+        caller="kmp.export",
+        none_means="the model's own policy",
     )
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a `keras.Model`. Received: "
             f"model={model!r} of type {type(model).__name__}"
         )
-    with _compute_policy_scope(model, policy_name):
+    # The layers are switched in place: the variables (float32 under every
+    # kmp policy) are shared, so nothing is copied and the export sees
+    # exactly the trained weights.
+    with policy_module._layer_policies(_inference_policies(model, policy_name)):
         if format != "tf_saved_model":
             keras.Model.export(
                 model,
@@ -213,7 +185,7 @@ def export(
             input_signature = _keras_internals.get_input_signature(model)
 
         def serve(*args, **call_kwargs):
-            return _to_float32(model(*args, **call_kwargs))
+            return policy_module._to_float32(model(*args, **call_kwargs))
 
         archive = keras.export.ExportArchive()
         archive.track(model)
@@ -260,7 +232,9 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
     model32.evaluate(x, y)                        # float32 math, same weights
     ```
     """
-    policy_name = None if policy is None else _resolve_policy_name("policy", policy)
+    policy_name = _policy_name(
+        policy, "policy", caller="kmp.load_model", none_means="the policies in the file"
+    )
     _check_complete_archive(filepath)
     if policy_name is None:
         return keras.saving.load_model(
@@ -274,7 +248,8 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
         model = keras.saving.load_model(
             filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
         )
-    _set_compute_policy(model, policy_name)
+    for layer, new_policy in _inference_policies(model, policy_name).items():
+        layer.dtype_policy = new_policy
     if compile:
         _add_loss_scaling_if_needed(model)
     return model
@@ -318,7 +293,7 @@ def _add_loss_scaling_if_needed(model):
         return
     if getattr(model, "_kmp_loss_scale", "auto") is None:
         return
-    if not _computes_in_float16(model):
+    if not policy_module._computes_in_float16(model):
         return
     # The loaded optimizer keeps its slots and iterations: Keras optimizers
     # do not rebuild once built, so the wrapper only adds its own state.

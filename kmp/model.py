@@ -8,35 +8,17 @@ from keras import ops
 from kmp import _keras_internals
 from kmp import _loss_record
 from kmp import distribute as distribute_module
+from kmp import export as export_module
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
+from kmp.policy import _computes_in_float16
+from kmp.policy import _to_float32
 
 _LOSS_SCALE_CHOICES = "'auto', 'dynamic', a positive number, or None"
 
 # Log keys that carry kmp.callbacks.LossScaleMonitor's per-step values out of
 # the train function; `make_train_function` removes them from the logs.
 _MONITOR_LOG_PREFIX = "_kmp_monitor_"
-
-
-def _to_float32(outputs):
-    def cast(x):
-        if x is not None and keras.backend.is_float_dtype(x.dtype) and (
-            keras.backend.standardize_dtype(x.dtype) != "float32"
-        ):
-            return ops.cast(x, "float32")
-        return x
-
-    return keras.tree.map_structure(cast, outputs)
-
-
-def _computes_in_float16(model):
-    # The layers decide, not the model's own policy: a model loaded (or built)
-    # while the global policy was mixed_float16 has that policy even when all
-    # its layers compute in float32.
-    layers = list(model._flatten_layers(include_self=False, recursive=True))
-    if not layers:
-        return model.dtype_policy.compute_dtype == "float16"
-    return any(layer.compute_dtype == "float16" for layer in layers)
 
 
 def _loss_scale_optimizer(optimizer, loss_scale, model):
@@ -222,10 +204,7 @@ class Model(keras.Model):
         model.export("serving/", inference_policy="float32")
         ```
         """
-        # Imported here: kmp.export imports this module.
-        from kmp.export import export
-
-        return export(
+        return export_module.export(
             self,
             filepath,
             format=format,

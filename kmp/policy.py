@@ -205,20 +205,7 @@ def set_policy(name, keep_float32=None):
     """
     global _active_policy, _global_keep_float32
     rules = _Float32Rules.parse(keep_float32)
-    if isinstance(name, Policy):
-        policy = name
-    elif name == "auto":
-        policy = _resolve_auto()
-        _LOGGER.info(
-            'kmp: policy "auto" resolved to %s: %s', policy.name, policy.reason
-        )
-    elif isinstance(name, str) and name in POLICY_NAMES:
-        policy = Policy(name, reason=f"set explicitly with set_policy({name!r})")
-    else:
-        raise ValueError(
-            "Unknown policy name. `name` must be one of "
-            f"{', '.join(map(repr, _SET_POLICY_NAMES))}. Received: name={name!r}"
-        )
+    policy = _resolve_policy(name, "name", caller="kmp.set_policy")
     keras.config.set_dtype_policy(policy.name)
     _active_policy = policy
     _global_keep_float32 = rules
@@ -287,6 +274,59 @@ def policy_scope(name, keep_float32=None):
         _global_keep_float32 = previous_keep_float32
 
 
+def _resolve_policy(value, argument, caller, none_means=None):
+    """The `Policy` a policy argument asks for, `"auto"` resolved here.
+
+    The one reading of a policy argument: `set_policy`, `kmp.convert`,
+    `kmp.export` and `kmp.load_model` all call it, each with its own
+    argument name, so that the error names what the user wrote.
+
+    Args:
+        value: String or `Policy`. A name of `POLICY_NAMES` or `"auto"`
+            (resolved by the `"auto"` rule and logged to the `"kmp"`
+            logger), or `None` where `none_means` allows it.
+        argument: String. The caller's argument name, e.g. `"policy"`.
+        caller: String. The public function called, e.g. `"kmp.convert"`;
+            it goes into the `reason` of a policy named explicitly.
+        none_means: Optional string. What `None` means to the caller (e.g.
+            `"the model's own policy"`): `None` is then returned as it is,
+            and listed among the allowed values. Defaults to `None`: `None`
+            is not allowed.
+
+    Returns:
+        A `Policy`, or `None` for `None` when `none_means` is given.
+
+    Raises:
+        ValueError: for any other value; the message names `argument`, the
+            value received and the allowed values.
+    """
+    if value is None and none_means is not None:
+        return None
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str) and value == "auto":
+        policy = _resolve_auto()
+        _LOGGER.info('kmp: policy "auto" resolved to %s: %s', policy.name, policy.reason)
+        return policy
+    if isinstance(value, str) and value in POLICY_NAMES:
+        return Policy(value, reason=f"set explicitly with {caller}({argument}={value!r})")
+    allowed = [repr(name) for name in _SET_POLICY_NAMES] + ["a kmp.Policy"]
+    if none_means is not None:
+        allowed.append(f"None ({none_means})")
+    raise ValueError(
+        f"Unknown policy name. `{argument}` must be one of "
+        f"{', '.join(allowed[:-1])} or {allowed[-1]}. "
+        f"Received: {argument}={value!r}"
+    )
+
+
+# What runs bfloat16 natively: NVIDIA GPUs from compute capability 8.0
+# (Ampere) on, and x86 CPUs that advertise one of these flags. `"auto"`,
+# `kmp.diagnose` and `kmp doctor` all read it through `_choose_auto_policy`.
+_BFLOAT16_GPU_MAJOR = 8
+_BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
 def _choose_auto_policy(gpu_compute_capabilities, cpu_flags):
     """The `"auto"` rule as a pure function of what the hardware reports.
 
@@ -301,10 +341,10 @@ def _choose_auto_policy(gpu_compute_capabilities, cpu_flags):
     if gpu_compute_capabilities:
         major, minor = min(gpu_compute_capabilities)
         capability = f"{major}.{minor}"
-        if major >= 8:
+        if major >= _BFLOAT16_GPU_MAJOR:
             return "mixed_bfloat16", (
-                f"NVIDIA GPU with compute capability {capability} (>= 8.0) "
-                "runs bfloat16 on tensor cores"
+                f"NVIDIA GPU with compute capability {capability} "
+                f"(>= {_BFLOAT16_GPU_MAJOR}.0) runs bfloat16 on tensor cores"
             )
         if major == 7:
             return "mixed_float16", (
@@ -315,28 +355,48 @@ def _choose_auto_policy(gpu_compute_capabilities, cpu_flags):
             f"NVIDIA GPU with compute capability {capability} (< 7.0) has no "
             "fast 16-bit math"
         )
-    fast_bf16_flags = sorted({"avx512_bf16", "amx_bf16"} & set(cpu_flags))
+    fast_bf16_flags = sorted(set(_BFLOAT16_CPU_FLAGS) & set(cpu_flags))
     if fast_bf16_flags:
         return "mixed_bfloat16", (
             f"no GPU; the CPU advertises {' and '.join(fast_bf16_flags)}, so "
             "bfloat16 runs natively"
         )
     return "float32", (
-        "no GPU and the CPU advertises neither avx512_bf16 nor amx_bf16: "
+        f"no GPU and the CPU advertises neither {' nor '.join(_BFLOAT16_CPU_FLAGS)}: "
         "16-bit math would be emulated and slower than float32"
     )
 
 
-def _gpu_compute_capabilities():
+def _runs_bfloat16(gpu_compute_capabilities, cpu_flags):
+    """Whether the hardware runs bfloat16 natively, by the `"auto"` rule.
+
+    Args and the rule as for `_choose_auto_policy`: the slowest GPU
+    decides, and with no GPU the CPU's flags.
+    """
+    name, _ = _choose_auto_policy(gpu_compute_capabilities, cpu_flags)
+    return name == "mixed_bfloat16"
+
+
+def _gpus():
+    """`(device_name, details)` for each GPU TensorFlow sees.
+
+    `details` as `tf.config.experimental.get_device_details` gives them
+    (`"compute_capability"`, `"device_name"`; empty for a non-NVIDIA GPU).
+    """
     import tensorflow as tf
 
-    capabilities = []
-    for gpu in tf.config.list_physical_devices("GPU"):
-        details = tf.config.experimental.get_device_details(gpu)
-        capability = details.get("compute_capability")
-        if capability:
-            capabilities.append(tuple(capability))
-    return capabilities
+    return [
+        (gpu.name, tf.config.experimental.get_device_details(gpu))
+        for gpu in tf.config.list_physical_devices("GPU")
+    ]
+
+
+def _gpu_compute_capabilities():
+    return [
+        tuple(details["compute_capability"])
+        for _, details in _gpus()
+        if details.get("compute_capability")
+    ]
 
 
 def _cpu_flags(cpuinfo_path="/proc/cpuinfo"):
@@ -513,6 +573,59 @@ def _cast_floats(structure, dtype):
     return keras.tree.map_structure(cast, structure)
 
 
+def _to_float32(structure):
+    """`structure` with its floating-point tensors cast to float32.
+
+    What a `kmp.Model` returns and what `kmp.export` serves: outputs are
+    float32 under every policy.
+    """
+    return _cast_floats(structure, "float32")
+
+
+def _computes_in_float16(model):
+    """Whether any layer of `model` computes in float16 (so needs loss scaling)."""
+    # The layers decide, not the model's own policy: a model loaded (or built)
+    # while the global policy was mixed_float16 has that policy even when all
+    # its layers compute in float32.
+    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    if not layers:
+        return model.dtype_policy.compute_dtype == "float16"
+    return any(layer.compute_dtype == "float16" for layer in layers)
+
+
+@contextlib.contextmanager
+def _layer_policies(layers_to_policy):
+    """Runs a block with layers switched to other dtype policies, then restores them.
+
+    The one place kmp changes layers' policies for a while: `kmp.export`
+    (the inference precision), the model `kmp.convert` wraps (the target
+    policy) and `_float32_islands`. The previous policies come back in the
+    reverse order, also when the block raises or a switch fails halfway.
+
+    Args:
+        layers_to_policy: Dict from layer to the dtype policy (a name or a
+            `keras.DTypePolicy`) it computes under inside the block.
+
+    Example:
+
+    >>> dense = keras.layers.Dense(2, dtype="mixed_float16")
+    >>> with _layer_policies({dense: "float32"}):
+    ...     dense.compute_dtype
+    'float32'
+    >>> dense.compute_dtype
+    'float16'
+    """
+    previous = []
+    try:
+        for layer, policy in layers_to_policy.items():
+            previous.append((layer, layer.dtype_policy))
+            layer.dtype_policy = policy
+        yield
+    finally:
+        for layer, policy in reversed(previous):
+            layer.dtype_policy = policy
+
+
 def _casting_back(call, dtype):
     def call_in_float32(*args, **kwargs):
         return _cast_floats(call(*args, **kwargs), dtype)
@@ -521,6 +634,24 @@ def _casting_back(call, dtype):
 
 
 _NO_INSTANCE_CALL = object()
+
+
+@contextlib.contextmanager
+def _calls_cast_back(layers_to_dtype):
+    """Runs a block with each layer's outputs cast to the dtype given, then restores `call`."""
+    previous = []
+    try:
+        for layer, dtype in layers_to_dtype.items():
+            previous.append((layer, layer.__dict__.get("call", _NO_INSTANCE_CALL)))
+            # object.__setattr__: Keras would track the function.
+            object.__setattr__(layer, "call", _casting_back(layer.call, dtype))
+        yield
+    finally:
+        for layer, call in reversed(previous):
+            if call is _NO_INSTANCE_CALL:
+                layer.__dict__.pop("call", None)
+            else:
+                object.__setattr__(layer, "call", call)
 
 
 @contextlib.contextmanager
@@ -535,22 +666,9 @@ def _float32_islands(model, rules=None):
     runs (and while `fit` traces it): a model that shares layers with
     `model` is never affected.
     """
-    changed = []
-    try:
-        for layer, role, _ in _float32_plan(model, rules):
-            changed.append(
-                (layer, layer.dtype_policy, layer.__dict__.get("call", _NO_INSTANCE_CALL))
-            )
-            compute_dtype = layer.compute_dtype
-            layer.dtype_policy = "float32"
-            if role == "island":
-                # object.__setattr__: Keras would track the function.
-                object.__setattr__(layer, "call", _casting_back(layer.call, compute_dtype))
-        yield
-    finally:
-        for layer, previous_policy, previous_call in reversed(changed):
-            layer.dtype_policy = previous_policy
-            if previous_call is _NO_INSTANCE_CALL:
-                layer.__dict__.pop("call", None)
-            else:
-                object.__setattr__(layer, "call", previous_call)
+    plan = _float32_plan(model, rules)
+    # Read before the switch: the dtype each island hands on.
+    islands = {layer: layer.compute_dtype for layer, role, _ in plan if role == "island"}
+    with _layer_policies({layer: "float32" for layer, _, _ in plan}):
+        with _calls_cast_back(islands):
+            yield

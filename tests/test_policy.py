@@ -1,3 +1,4 @@
+
 import keras
 import numpy as np
 import pytest
@@ -139,6 +140,128 @@ def test_cpu_flags_parses_cpuinfo(tmp_path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
     assert policy_module._cpu_flags(str(cpuinfo)) == {"fpu", "avx512f", "avx512_bf16"}
     assert policy_module._cpu_flags(str(tmp_path / "missing")) == set()
+
+
+@pytest.mark.parametrize(
+    "gpus, flags, native",
+    [
+        ([(8, 0)], set(), True),
+        ([(9, 0), (7, 5)], set(), False),  # slowest GPU decides
+        ([(7, 5)], {"avx512_bf16"}, False),  # a GPU decides, not the CPU
+        ([], {"amx_bf16"}, True),
+        ([], {"avx512f"}, False),
+    ],
+)
+def test_one_bfloat16_rule_for_auto_diagnose_and_doctor(monkeypatch, gpus, flags, native):
+    from kmp import _diagnose_probe
+
+    assert policy_module._runs_bfloat16(gpus, flags) is native
+    monkeypatch.setattr(policy_module, "_gpu_compute_capabilities", lambda: gpus)
+    monkeypatch.setattr(policy_module, "_cpu_flags", lambda: flags)
+    assert _diagnose_probe.hardware_has_bfloat16() is native
+    assert (kmp.set_policy("auto").name == "mixed_bfloat16") is native
+
+
+@pytest.mark.parametrize("name", ["float32", "mixed_float16", "mixed_bfloat16"])
+def test_resolve_policy_accepts_each_name_and_a_policy(name):
+    policy = policy_module._resolve_policy(name, "policy", caller="kmp.convert")
+    assert (policy.name, policy.reason) == (
+        name,
+        f"set explicitly with kmp.convert(policy={name!r})",
+    )
+    given = kmp.Policy(name, reason="mine")
+    assert policy_module._resolve_policy(given, "policy", caller="kmp.convert") is given
+
+
+def test_resolve_policy_resolves_auto_and_logs_it(monkeypatch, caplog):
+    monkeypatch.setattr(policy_module, "_gpu_compute_capabilities", lambda: [(8, 6)])
+    with caplog.at_level("INFO", logger="kmp"):
+        policy = policy_module._resolve_policy("auto", "inference_policy", caller="kmp.export")
+    assert policy.name == "mixed_bfloat16"
+    assert policy.reason.startswith("auto: ") and "8.6" in policy.reason
+    assert 'policy "auto" resolved to mixed_bfloat16' in caplog.text
+
+
+def test_resolve_policy_takes_none_only_where_the_caller_gives_it_a_meaning():
+    assert (
+        policy_module._resolve_policy(None, "policy", "kmp.convert", none_means="the active kmp policy")
+        is None
+    )
+    with pytest.raises(ValueError) as error:
+        policy_module._resolve_policy(None, "name", caller="kmp.set_policy")
+    assert str(error.value) == (
+        "Unknown policy name. `name` must be one of 'float32', 'mixed_float16', "
+        "'mixed_bfloat16', 'auto' or a kmp.Policy. Received: name=None"
+    )
+    with pytest.raises(ValueError) as error:
+        policy_module._resolve_policy(
+            "fp16", "inference_policy", "kmp.export", none_means="the model's own policy"
+        )
+    assert str(error.value) == (
+        "Unknown policy name. `inference_policy` must be one of 'float32', "
+        "'mixed_float16', 'mixed_bfloat16', 'auto', a kmp.Policy or None (the "
+        "model's own policy). Received: inference_policy='fp16'"
+    )
+
+
+def test_every_policy_argument_names_itself_and_the_bad_value(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    calls = [
+        ("name", lambda bad: kmp.set_policy(bad)),
+        ("policy", lambda bad: kmp.convert(model, policy=bad)),
+        ("inference_policy", lambda bad: kmp.export(model, tmp_path / "x", inference_policy=bad)),
+        ("policy", lambda bad: kmp.load_model(tmp_path / "missing.keras", policy=bad)),
+    ]
+    for argument, call in calls:
+        with pytest.raises(ValueError) as error:
+            call("float64")
+        message = str(error.value)
+        assert message.startswith(f"Unknown policy name. `{argument}` must be one of ")
+        assert message.endswith(f"Received: {argument}='float64'")
+        for allowed in ("'float32'", "'mixed_float16'", "'mixed_bfloat16'", "'auto'"):
+            assert allowed in message
+    assert "None (the policies in the file)" in message  # kmp.load_model's
+    assert not (tmp_path / "x").exists()
+    assert kmp.get_policy().name == "float32"
+
+
+def test_layer_policies_switches_and_restores_also_when_the_block_raises():
+    first = keras.layers.Dense(2, dtype="mixed_float16")
+    second = keras.layers.Dense(2, dtype="mixed_bfloat16")
+    with pytest.raises(RuntimeError, match="boom"):
+        with policy_module._layer_policies({first: "float32", second: "mixed_float16"}):
+            assert (first.compute_dtype, second.compute_dtype) == ("float32", "float16")
+            raise RuntimeError("boom")
+    assert (first.dtype_policy.name, second.dtype_policy.name) == (
+        "mixed_float16",
+        "mixed_bfloat16",
+    )
+
+
+def test_layer_policies_restores_the_layers_switched_before_a_bad_policy():
+    first = keras.layers.Dense(2, dtype="mixed_float16")
+    second = keras.layers.Dense(2, dtype="mixed_float16")
+    with pytest.raises(ValueError):
+        with policy_module._layer_policies({first: "float32", second: "no_such_policy"}):
+            pass  # pragma: no cover - never entered
+    assert first.dtype_policy.name == "mixed_float16"
+    assert second.dtype_policy.name == "mixed_float16"
+
+
+def test_float32_islands_restore_policy_and_call_when_the_block_raises():
+    kmp.set_policy("mixed_float16")
+    inputs, outputs, _ = _unit_normalization_model()
+    model = keras.Model(inputs, outputs)
+    norm = model.layers[1]
+    assert isinstance(norm, keras.layers.UnitNormalization)
+    with pytest.raises(RuntimeError, match="boom"):
+        with policy_module._float32_islands(model):
+            assert norm.compute_dtype == "float32" and "call" in vars(norm)
+            result = norm(np.full((1, 64), 300.0, "float32"))
+            assert keras.backend.standardize_dtype(result.dtype) == "float16"
+            raise RuntimeError("boom")
+    assert norm.dtype_policy.name == "mixed_float16"
+    assert "call" not in vars(norm)
 
 
 _KERAS_FLOAT32_MATH_LAYERS = [

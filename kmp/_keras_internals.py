@@ -1,14 +1,33 @@
 """The Keras internals kmp uses, in one place.
 
 Everything else in kmp uses Keras' public API (`keras.*`, `keras.ops`,
-`keras.tree`). These names live under `keras.src`, which Keras may change in
-any release; when one moves, this module is the only one to mend.
-`tests/test_api.py` checks that no other kmp module imports from
-`keras.src`.
+`keras.tree`). The names imported below live under `keras.src`, which Keras
+may change in any release; when one moves, this module is the only one to
+mend. `tests/test_api.py` checks that no other kmp module imports from
+`keras.src`. CI runs the core tests against the oldest Keras pyproject.toml
+admits (3.10) and the newest (see README, "Tested with").
+
+Private *attributes* of public Keras objects that kmp reads, and why (each is
+present from Keras 3.10 to 3.15):
+
+| attribute | where | why |
+|---|---|---|
+| `Optimizer._iterations` | `_accumulation.py` | the micro-step count; `iterations` counts windows |
+| `Optimizer._backend_reset_gradient_accumulators` | `_accumulation.py` | discard a window with an overflow |
+| `Optimizer._trainable_variables` | `loss_scale.py`, `callbacks.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
+| `Optimizer._filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
+| `Optimizer._get_variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
+| `Optimizer._overwrite_variable_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
+| TF `Optimizer._all_reduce_sum_gradients` | `_replicas.py` | switched off while kmp applies gradients it summed already (one all-reduce per step) |
+| `Layer._flatten_layers` | `policy.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
+| `Layer._call_has_training_arg` | `convert.py` | call a wrapped model as Keras would |
+| `Layer._dtype_policy` | `policy.py` | set a layer's policy without Keras' once-only checks |
+| `KerasTensor._keras_history` | `_diagnose_static.py` | which layer produced a functional model's tensor |
+| `Model._distribute_strategy`, `Model._symbolic_build` | `model.py`, `distribute.py` | build across workers, where Keras' own build fails |
+| `ModelCheckpoint._get_file_path`, `_should_save_model`; `BackupAndRestore._training_metadata_path`, `_initial_epoch` | `checkpoint.py` | resume where Keras' own callbacks keep their state |
 """
 
 from keras.src.export.export_utils import get_input_signature
-from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer
 from keras.src.models.model import functional_init_arguments
@@ -24,5 +43,4 @@ __all__ = [
     "is_remote_path",
     "no_automatic_dependency_tracking",
     "print_msg",
-    "unscale_loss_for_distribution",
 ]

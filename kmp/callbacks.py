@@ -43,6 +43,10 @@ _PROCESS_EVERY = 256
 
 CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_variables")
 
+# The logs kmp adds to `fit`'s: each is a current value, not a per-step
+# quantity, so the progress bar shows it as it is, never averaged.
+_SCALING_LOGS = ("loss_scale", "skipped_steps")
+
 
 def _csv_number(value):
     """A number for the CSV: integers without `.0`, floats as Python writes them."""
@@ -58,6 +62,9 @@ class _Readable(float):
     `keras.utils.Progbar` divides each value by its count and formats it with
     `.4f`/`.4e`; keeping the subclass through the division lets the loss scale
     print as `32768` and the skip count as `0` while staying a number.
+    Keras 3.10 and 3.11 pass every value through NumPy before formatting it,
+    which drops the subclass: there they print as `32768.0000` and `0.0000`,
+    the same numbers in Keras' own format.
     """
 
     def __new__(cls, value, text):
@@ -74,7 +81,7 @@ class _Readable(float):
 
 def _readable_logs(logs):
     """A copy of `logs` with `loss_scale` and `skipped_steps` in readable form."""
-    if not logs or ("loss_scale" not in logs and "skipped_steps" not in logs):
+    if not logs or not any(name in logs for name in _SCALING_LOGS):
         return logs
     logs = dict(logs)
     if isinstance(logs.get("loss_scale"), numbers.Real):
@@ -123,6 +130,17 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
         optimizer = _scaling_optimizer(self.model)
         if self.report_skips and optimizer is not None:
             self._counters_at_start = _read_counters(optimizer)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        # Before Keras 3.15 the progress bar averages every log over the
+        # epoch's steps unless it is one of its `stateful_metrics`: a scale
+        # that halved mid-epoch would print as the mean of two scales, and the
+        # skip count as a fraction. From 3.15 on no log is averaged, and
+        # `stateful_metrics` is None.
+        stateful = getattr(self.progbar, "stateful_metrics", None)
+        if stateful is not None:
+            stateful.update(_SCALING_LOGS)
 
     def on_train_batch_end(self, batch, logs=None):
         super().on_train_batch_end(batch, _readable_logs(logs))

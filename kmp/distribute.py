@@ -202,8 +202,14 @@ def make_multi_worker_function(model, step_function):
 
 
 def symbolic_build(model, iterator):
-    """Builds `model` from this worker's first batch of `iterator`."""
-    for _, _, distributed_iterator in iterator:
+    """Builds `model` from this worker's first batch of `iterator`.
+
+    `iterator` is Keras' epoch iterator, which yields `(step, iterator)` up to
+    Keras 3.10 and `(begin_step, end_step, iterator)` in later releases; the
+    distributed iterator is the last item in both.
+    """
+    for entry in iterator:
+        distributed_iterator = entry[-1]
         data_batch = local_data_batch(
             model.distribute_strategy, next(distributed_iterator)
         )

@@ -15,6 +15,12 @@ import kmp
 from kmp import _replicas
 
 
+_needs_multi_optimizer = pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason=f"keras.optimizers.MultiOptimizer is newer than this Keras ({keras.__version__})",
+)
+
+
 def _multi_optimizer(learning_rate=0.1):
     return keras.optimizers.MultiOptimizer(
         keras.optimizers.OptimizerMap(default_optimizer=keras.optimizers.SGD(learning_rate))
@@ -45,6 +51,7 @@ def _distributed_sgd_step(strategy, optimizer, scaled):
 
 
 
+@_needs_multi_optimizer
 def test_multi_optimizer_under_mirrored_equals_the_unwrapped_run(mirrored_strategy):
     with mirrored_strategy.scope():
         bare = _multi_optimizer()
@@ -54,6 +61,7 @@ def test_multi_optimizer_under_mirrored_equals_the_unwrapped_run(mirrored_strate
     assert _distributed_sgd_step(mirrored_strategy, wrapped, scaled=True) == pytest.approx(expected)
 
 
+@_needs_multi_optimizer
 def test_compiled_multi_optimizer_under_mirrored_equals_plain_sgd(mirrored_strategy):
     kmp.set_policy("mixed_float16")
     rng = np.random.default_rng(0)

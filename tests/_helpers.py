@@ -135,3 +135,53 @@ class DtypeProbe(keras.layers.Layer):
     def call(self, x):
         self.seen.append(keras.backend.standardize_dtype(x.dtype))
         return x
+
+
+class TrainableWeightsPerStep(keras.callbacks.Callback):
+    """Records the trainable weights before `fit` and after every step.
+
+    `weights[0]` is the state before training (build the model first),
+    `weights[n]` the state after step `n` (1-based, counted across epochs).
+    With `steps_per_execution > 1` Keras calls back once per execution, so
+    only then is a state recorded.
+    Under a `MirroredStrategy` the values are replica 0's.
+    """
+
+    def on_train_begin(self, logs=None):
+        self.weights = [self._read()]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.weights.append(self._read())
+
+    def _read(self):
+        return [np.array(v.numpy()) for v in self.model.trainable_weights]
+
+    def unchanged_by(self, step):
+        """Whether step `step` (1-based) left every trainable weight as it was."""
+        if len(self.weights[step - 1]) != len(self.weights[step]):
+            raise ValueError(
+                "Build the model before `fit`: the weights before step "
+                f"{step} were not created yet. Received: step={step}"
+            )
+        return all(
+            np.array_equal(before, after)
+            for before, after in zip(self.weights[step - 1], self.weights[step])
+        )
+
+
+# A sample weight that makes the scaled gradient overflow float16 while the
+# loss stays finite in float32: a backward overflow at a step of our choosing
+# that leaves the forward pass (and BatchNormalization's statistics) alone.
+# A loss of order 1 times 1e6 times a scale of 2**15 is ~3e10 in float32; the
+# gradient cast back to float16 at the model's output is far beyond 65504.
+OVERFLOWING_SAMPLE_WEIGHT = 1e6
+
+
+def overflowing_sample_weights(rows, batch_size, batches):
+    """Sample weights of 1, with `OVERFLOWING_SAMPLE_WEIGHT` on every row of
+    the batches numbered in `batches` (1-based, in the data's order: fit with
+    `shuffle=False`, and each epoch meets them again)."""
+    weights = np.ones(rows, "float32")
+    for batch in batches:
+        weights[(batch - 1) * batch_size : batch * batch_size] = OVERFLOWING_SAMPLE_WEIGHT
+    return weights

@@ -1,15 +1,18 @@
-"""The benchmark suite runs end to end and writes a complete report.
+"""The benchmark suite runs end to end and reports what it measured.
 
-This checks that `python -m benchmarks.run` works and that its table has a
-row for every configuration, not how fast anything is. It runs the `--smoke`
-mode (tiny models, one step per repeat) in a subprocess, since the suite
-sets up TensorFlow its own way.
+`python -m benchmarks.run --smoke` (tiny models, one step per repeat) runs in
+a subprocess, since the suite sets up TensorFlow its own way; its report must
+show the numbers its results.json holds, and the ratios of them. How fast
+anything is is not tested; how the harness turns times into throughput and
+ratios is, on a fake clock, and the op counter on a graph of known ops.
 """
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -37,59 +40,263 @@ def smoke_run(tmp_path_factory):
     return out
 
 
-def test_report_has_a_row_per_workload_and_configuration(smoke_run):
-    report = (smoke_run / "report.md").read_text()
-    rows = [line for line in report.splitlines() if line.startswith("| ")]
-    for workload in _WORKLOADS:
-        for config in harness.CONFIGS:
-            jit = "on" if config.jit_compile else "off"
-            prefix = f"| {workload} | {config.name} | {jit} |"
-            assert sum(row.startswith(prefix) for row in rows) == 1, prefix
+def _smoke_results(smoke_run):
+    return json.loads((smoke_run / "results.json").read_text())
 
 
-def test_report_has_overhead_op_counts_and_targets(smoke_run):
-    report = (smoke_run / "report.md").read_text()
-    assert "## Loss-scaling overhead" in report
-    assert "## Ops in the traced graph" in report
-    assert "| train step, all ops |" in report
-    assert "## Targets" in report
+def _table_rows(report_text, heading):
+    """The cells of each body row of the first table after `heading`."""
+    section = report_text.split(heading, 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
-def test_results_json_has_positive_throughput_for_every_configuration(smoke_run):
-    data = json.loads((smoke_run / "results.json").read_text())
+def _ratio_cell(value):
+    return "" if value is None else f"{value:.2f}x"
+
+
+def test_results_are_medians_of_the_measured_repeats(smoke_run):
+    data = _smoke_results(smoke_run)
+    assert data["mode"] == "smoke" and data["settings"]["repeats"] == 5
     for workload in _WORKLOADS:
         rows = data["results"][workload]
         assert set(rows) == {config.label for config in harness.CONFIGS}
-        for entry in rows.values():
-            assert len(entry["repeats"]) >= 5
-            assert entry["samples_per_s"] > 0
-    assert data["results"]["mlp"]["kmp mixed_float16 | jit=off"]["optimizer"] == "LossScaleOptimizer"
-    assert data["results"]["mlp"]["keras mixed_float16 | jit=off"]["model_class"] == "Functional"
+        for config in harness.CONFIGS:
+            entry = rows[config.label]
+            assert (entry["config"], entry["jit_compile"]) == (config.name, config.jit_compile)
+            # --smoke times chunks of 0 seconds: one step per repeat.
+            assert entry["steps"] == 1
+            assert len(entry["repeats"]) == 5
+            assert entry["samples_per_s"] == statistics.median(entry["repeats"])
+            if config.policy != "auto":
+                assert entry["policy"] == config.policy
+    mlp = data["results"]["mlp"]
+    # Keras' own loss scaling for Keras' float16, kmp's for kmp's, none without.
+    assert mlp["keras mixed_float16 | jit=off"]["optimizer"] == "LossScaleOptimizer"
+    assert mlp["keras mixed_float16 | jit=off"]["model_class"] == "Functional"
+    assert mlp["kmp mixed_float16 | jit=off"]["optimizer"] == "LossScaleOptimizer"
+    assert mlp["kmp mixed_float16 | jit=off"]["model_class"] == "FunctionalModel"
+    assert mlp[f"{harness.NO_SCALE} | jit=off"]["optimizer"] == "Adam"
+    assert mlp["float32 | jit=off"]["optimizer"] == "Adam"
 
 
-def test_chart_is_written_when_matplotlib_is_installed(smoke_run):
+def test_report_shows_the_measured_numbers_and_ratios_of_them(smoke_run):
+    results = _smoke_results(smoke_run)["results"]
+    report_text = (smoke_run / "report.md").read_text()
+    rows = _table_rows(report_text, "## Throughput")
+    assert len(rows) == len(_WORKLOADS) * len(harness.CONFIGS)
+    cells = {(row[0], row[1], row[2]): row[3:] for row in rows}
+    for workload in _WORKLOADS:
+        measured = results[workload]
+        for config in harness.CONFIGS:
+            jit = "on" if config.jit_compile else "off"
+            entry = measured[config.label]
+            samples = entry["samples_per_s"]
+            # Ratios of the measured samples/s, with the same jit_compile.
+            vs_float32 = samples / measured[f"float32 | jit={jit}"]["samples_per_s"]
+            if config.api == "kmp" and config.name != harness.NO_SCALE:
+                keras_label = f"keras {entry['policy']} | jit={jit}"
+                if entry["policy"] == "float32":
+                    keras_label = f"float32 | jit={jit}"
+                vs_keras = samples / measured[keras_label]["samples_per_s"]
+            else:
+                vs_keras = None
+            assert entry["vs_float32"] == vs_float32
+            assert entry["vs_keras"] == vs_keras
+            # (The last cell, memory, is measured only on a GPU here.)
+            assert cells[(workload, config.name, jit)][:4] == [
+                entry["policy"], f"{samples:,.0f}", _ratio_cell(vs_keras),
+                _ratio_cell(vs_float32),
+            ]
+
+    # Overhead: how much longer the scaled step takes than the unscaled one.
+    table = {row[0]: row[1:] for row in _table_rows(report_text, "## Loss-scaling overhead")}
+    for workload in _WORKLOADS:
+        cells = []
+        for jit in ("off", "on"):
+            scaled = results[workload][f"kmp mixed_float16 | jit={jit}"]["samples_per_s"]
+            unscaled = results[workload][f"{harness.NO_SCALE} | jit={jit}"]["samples_per_s"]
+            overhead = unscaled / scaled - 1
+            cells.append(f"{overhead * 100:+.1f}%")
+            if workload == "mlp":  # a target for the MLP: met exactly when <= 3%
+                verdict = "met" if overhead <= 0.03 else "**missed**"
+                target = f"- {verdict}: mlp, jit {jit}: loss-scaling overhead <= 3% ({cells[-1]})"
+                assert target in report_text.splitlines()
+        assert table[workload] == cells
+
+
+def test_report_op_counts_are_the_counted_ones(smoke_run):
+    counts = _smoke_results(smoke_run)["op_counts"]
+    report_text = (smoke_run / "report.md").read_text()
+    table = {row[0]: (int(row[1]), int(row[2])) for row in _table_rows(report_text, "## Ops in the traced graph")}
+    adam = sum(counts["adam_apply"].values())
+    total = {api: {graph: sum(counts[api][graph].values()) for graph in ("train_step", "apply")}
+             for api in ("keras", "kmp")}
+    assert table["train step, all ops"] == (total["keras"]["train_step"], total["kmp"]["train_step"])
+    assert table["optimizer.apply, all ops"] == (total["keras"]["apply"], total["kmp"]["apply"])
+    assert table["optimizer.apply minus plain Adam.apply (the loss scaler's own ops)"] == (
+        total["keras"]["apply"] - adam, total["kmp"]["apply"] - adam
+    )
+    # Both scalers check each of the model's gradients for inf/NaN.
+    assert table["train step, `IsFinite` ops"] == (
+        counts["keras"]["train_step"]["IsFinite"], counts["kmp"]["train_step"]["IsFinite"]
+    )
+    # many_variables at --smoke size: 2 blocks of Dense + LayerNorm, then a
+    # Dense: 2 variables each.
+    assert counts["variables"] == 2 * 2 * 2 + 2
+    assert f"Plain `Adam.apply` on the same 10 variables: {adam} ops." in report_text
+
+
+def test_op_counter_counts_a_known_graph_exactly():
+    import tensorflow as tf
+
+    @tf.function(autograph=False)
+    def inner(x):
+        return tf.sqrt(x) * 3.0
+
+    def outer(x):
+        return inner(x) + tf.reduce_sum(x)
+
+    concrete = tf.function(outer, autograph=False).get_concrete_function(
+        tf.TensorSpec((2,), tf.float32)
+    )
+    # outer: the argument, the call of inner, the reduction axis, the sum,
+    # the addition, the returned value; inner (a nested function, counted
+    # too): the square root, the constant 3, the product, its returned value.
+    assert harness.graph_op_types(concrete) == {
+        "Placeholder": 1, "PartitionedCall": 1, "Const": 2, "Sum": 1, "AddV2": 1,
+        "Identity": 2, "Sqrt": 1, "Mul": 1,
+    }
+
+
+class _FakeModel:
+    """What the harness reads of a compiled model; steps cost fake time."""
+
+    def __init__(self, config):
+        self.config = config
+        self.optimizer = object()
+
+    def make_train_function(self):
+        pass
+
+
+def test_throughput_and_ratios_come_from_the_measured_times(monkeypatch):
+    """`time_workload` and `report.ratios` on a fake clock with known step times."""
+    from benchmarks import report
+    from benchmarks import workloads
+
+    # Seconds per step (powers of 2, so every quotient below is exact).
+    step_seconds = {
+        "float32": 2.0**-6, "keras mixed_float16": 2.0**-7, "kmp mixed_float16": 2.0**-8,
+        harness.NO_SCALE: 2.0**-9, "kmp auto": 2.0**-7,
+    }
+    # Each timed repeat's slowdown: the median (1.0) is the step time itself.
+    slowdowns = [1.0, 2.0, 1.0, 0.5, 4.0]
+    clock = {"now": 0.0}
+    calls = {}
+
+    def run(self, steps):
+        name = self.model.config.name
+        calls[name] = calls.get(name, 0) + 1
+        # Calls 1-4 are the warm-up and the 3 step timings, 5 the untimed
+        # round; from 6 on, the timed repeats.
+        timed = calls[name] - 6
+        slowdown = slowdowns[timed] if timed >= 0 else 1.0
+        clock["now"] += steps * step_seconds[name] * slowdown
+        return 0.0
+
+    monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    monkeypatch.setattr(harness._Runner, "run", run)
+    monkeypatch.setattr(
+        harness, "build_model",
+        lambda workload, config, optimizer="adam": (
+            _FakeModel(config), "mixed_float16" if config.policy == "auto" else config.policy
+        ),
+    )
+    workload = workloads.get_workload("mlp", "smoke")
+    batch = workload.sizes["batch"]
+    configs = [harness.find_config(name, False) for name in step_seconds]
+    rows = harness.time_workload(workload, configs, repeats=5, chunk_seconds=2.0**-4,
+                                 warmup_steps=1, log=lambda line: None)
+    for config in configs:
+        entry = rows[config.label]
+        seconds = step_seconds[config.name]
+        # A chunk of 2**-4 s holds 2**-4 / seconds steps of that time.
+        assert entry["steps"] == 2.0**-4 / seconds
+        assert entry["repeats"] == [batch / (seconds * s) for s in slowdowns]
+        assert entry["samples_per_s"] == batch / seconds
+
+    results = {"mlp": rows}
+    report.ratios(results)
+    ratio = {config.name: (rows[config.label]["vs_keras"], rows[config.label]["vs_float32"])
+             for config in configs}
+    assert ratio == {
+        "float32": (None, 1.0),
+        "keras mixed_float16": (None, 2.0),
+        "kmp mixed_float16": (2.0, 4.0),
+        harness.NO_SCALE: (None, 8.0),
+        "kmp auto": (1.0, 2.0),  # compared with Keras' mixed_float16, what auto chose
+    }
+    # Scaling halves the throughput of the same model without it: +100%.
+    assert report.loss_scale_overhead(rows, False) == 1.0
+    assert report.overhead_table(results).splitlines()[-1] == "| mlp | +100.0% | not run |"
+
+
+def test_chart_is_a_png_of_the_expected_size(smoke_run):
     pytest.importorskip("matplotlib", reason="the chart is the optional `kmp[plot]` extra")
-    assert (smoke_run / "ratios.png").stat().st_size > 0
+    from PIL import Image
+
+    path = smoke_run / "ratios.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size == (1400, 500)  # 14x5 in at 100 dpi
 
 
 def test_a_full_run_on_a_gpu_uses_gpu_sized_workloads():
+    import keras
+    import numpy as np
+
     from benchmarks import workloads
 
-    assert workloads.GPU_WORKLOAD_NAMES == ("mlp", "resnet50", "transformer")
-    bert = workloads.get_workload("transformer", "full", gpu=True).sizes
-    assert (bert["blocks"], bert["dim"], bert["heads"], bert["ff"], bert["seq"], bert["batch"]) == (
-        12, 768, 12, 3072, 128, 64
-    )
-    assert workloads.get_workload("resnet50", "full", gpu=True).sizes == dict(
-        batch=128, image=224, classes=1000
-    )
-    mlp = workloads.get_workload("mlp", "full", gpu=True).sizes
-    assert (mlp["layers"], mlp["width"], mlp["batch"]) == (4, 8192, 4096)
-    # The CPU run and the small modes keep their sizes.
-    for mode in ("quick", "smoke"):
-        assert (workloads.get_workload("mlp", mode, gpu=True).sizes
-                == workloads.get_workload("mlp", mode).sizes)
-    assert workloads.get_workload("mlp", "full").sizes["width"] == 1024
+    for name in workloads.GPU_WORKLOAD_NAMES:
+        # Only the full run on a GPU is GPU-sized; the CPU and small runs are not.
+        assert workloads.get_workload(name, "full", gpu=True).sizes != workloads.get_workload(
+            name, "full"
+        ).sizes
+        for mode in ("quick", "smoke"):
+            assert (workloads.get_workload(name, mode, gpu=True).sizes
+                    == workloads.get_workload(name, mode).sizes)
+
+    def parameters(layers):
+        return sum(int(np.prod(w.shape)) for layer in layers for w in layer.weights)
+
+    # "BERT-base-sized": each of its 12 blocks has a BERT-base encoder layer's
+    # 7,087,872 parameters (Hugging Face's BertLayer: attention 2,362,368,
+    # feed-forward 4,722,432, two LayerNorms 3,072), on sequences of 128.
+    transformer = workloads.get_workload("transformer", "full", gpu=True)
+    model = transformer.build(keras.Model, transformer.sizes)
+    embedding, head = model.layers[1], model.layers[-1]
+    assert isinstance(embedding, keras.layers.Embedding) and isinstance(head, keras.layers.Dense)
+    blocks = [layer for layer in model.layers if layer not in (embedding, head)]
+    assert sum(isinstance(layer, keras.layers.MultiHeadAttention) for layer in blocks) == 12
+    assert parameters(blocks) == 12 * 7_087_872
+    assert model.input_shape == (None, 128)
+    del model
+    # keras.applications' ResNet50 at ImageNet size: its 25,636,712 parameters.
+    resnet = workloads.get_workload("resnet50", "full", gpu=True)
+    model = resnet.build(keras.Model, resnet.sizes)
+    assert model.count_params() == 25_636_712
+    assert model.input_shape == (None, 224, 224, 3) and model.output_shape == (None, 1000)
+    del model
+    keras.utils.clear_session()
+    # The MLP: each step's matmuls (forward and two backward) do 200x the
+    # work of the CPU run's MLP step, over 5 TFLOP.
+    def step_flops(sizes):
+        widths = [sizes["features"]] + [sizes["width"]] * sizes["layers"] + [sizes["classes"]]
+        return 6 * sizes["batch"] * sum(a * b for a, b in zip(widths, widths[1:]))
+
+    gpu_flops = step_flops(workloads.get_workload("mlp", "full", gpu=True).sizes)
+    assert gpu_flops > 5e12 and gpu_flops > 200 * step_flops(workloads.get_workload("mlp", "full").sizes)
 
 
 def test_gpu_memory_is_the_allocator_peak_above_what_was_resident(monkeypatch):
@@ -139,6 +346,8 @@ def test_gpu_memory_is_the_allocator_peak_above_what_was_resident(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_memory_is_measured_on_a_real_gpu():
+    import keras
+
     from benchmarks import workloads
 
     configs = [harness.find_config("kmp mixed_float16", True)]
@@ -148,5 +357,11 @@ def test_gpu_memory_is_measured_on_a_real_gpu():
     )
     memory = rows["kmp mixed_float16 | jit=on"]["memory"]
     assert memory["kind"] == "gpu"
-    assert memory["resident_mb"] > 0 and memory["step_peak_mb"] >= 0
-    assert memory["peak_mb"] >= memory["step_peak_mb"]
+    # Resident: at least the float32 weights and SGD's momentum slot for each.
+    workload = workloads.get_workload("mlp", "smoke")
+    model = workload.build(keras.Model, workload.sizes)
+    assert memory["resident_mb"] >= 2 * 4 * model.count_params() / 2**20
+    # A step allocates something beyond what stays resident (its activations,
+    # gradients).
+    assert memory["step_peak_mb"] > 0
+    assert memory["peak_mb"] > memory["step_peak_mb"]  # the resident part too

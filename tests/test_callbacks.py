@@ -171,9 +171,31 @@ def test_stops_after_consecutive_forward_overflows(capsys):
 
 
 def test_consecutive_count_resets_on_a_finite_step():
+    consecutive = []
+
+    class ReadConsecutive(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            consecutive.append(int(kmp_callbacks._read_counters(self.model.optimizer)[3]))
+
+    model = _model()
     monitor = kmp.callbacks.LossScaleMonitor(max_consecutive_skips=3, verbose=0, warn_skip_rate=None)
-    _fit(_model(), _data(8, backward=(2, 3, 5, 6)), callbacks=[monitor])
-    assert monitor.stopped_step is None
+    history = _fit(model, _data(8, backward=(2, 3, 5, 6)), callbacks=[monitor, ReadConsecutive()])
+    # Two runs of two skips, each ended by a finite step: never 3 in a row.
+    assert consecutive == [0, 1, 2, 0, 1, 2, 0, 0]
+    assert monitor.stopped_step is None and monitor.stop_message is None
+    assert not model.stop_training
+    # The monitor saw the whole run: 8 steps, the 4 skips, 4 backoffs.
+    (summary,) = monitor.epoch_summaries
+    assert (summary["steps"], summary["skipped"], summary["backward"], summary["forward"]) == (8, 4, 4, 0)
+    assert (summary["start_scale"], summary["end_scale"]) == (INITIAL_SCALE, INITIAL_SCALE / 2**4)
+    assert int(model.optimizer.skipped_steps) == 4 and int(model.optimizer.iterations) == 4
+    assert float(model.optimizer.loss_scale) == INITIAL_SCALE / 2**4
+    assert history.history["skipped_steps"] == [4]
+
+    # The same run with one more skip in a row (step 4) stops there.
+    monitor = kmp.callbacks.LossScaleMonitor(max_consecutive_skips=3, verbose=0, warn_skip_rate=None)
+    _fit(_model(), _data(8, backward=(2, 3, 4, 6)), callbacks=[monitor])
+    assert monitor.stopped_step == 4
 
 
 def test_steps_per_execution_counts_stay_exact(tmp_path):

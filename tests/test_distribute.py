@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
+from _helpers import TrainableWeightsPerStep
 from kmp import distribute as kmp_distribute
 
 _ROOT = pathlib.Path(__file__).parents[1]
@@ -147,6 +148,7 @@ def test_unsupported_strategy_is_named(strategy_class):
     strategy = object.__new__(strategy_class)
     with pytest.raises(ValueError, match=f"kmp.Model does not support {strategy_class.__name__}"):
         kmp_distribute.check_strategy(strategy)
+    kmp_distribute.check_strategy(tf.distribute.get_strategy())
 
 
 def test_compile_refuses_an_unsupported_strategy():
@@ -161,16 +163,67 @@ def test_compile_refuses_an_unsupported_strategy():
             model.compile("sgd", "mse")
 
 
-def test_supported_strategies_compile(mirrored_strategy):
-    for scope in (
-        mirrored_strategy.scope(),
-        tf.distribute.OneDeviceStrategy("/cpu:0").scope(),
-    ):
-        with scope:
-            inputs = keras.Input((4,))
-            model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
-            model.compile("sgd", "mse")
+def _sgd_on_linear_regression(x, y, kernel, bias, *, batch, learning_rate, skipped):
+    """Plain SGD on `mean((x @ kernel + bias - y) ** 2)` in float64, one step
+    per global batch, the steps in `skipped` (1-based) left out."""
+    kernel, bias = kernel.astype("float64"), bias.astype("float64")
+    for step in range(1, len(x) // batch + 1):
+        if step in skipped:
+            continue
+        xb, yb = x[(step - 1) * batch : step * batch], y[(step - 1) * batch : step * batch]
+        residual = xb @ kernel + bias - yb
+        kernel = kernel - learning_rate * 2 * xb.T @ residual / batch
+        bias = bias - learning_rate * 2 * residual.sum(axis=0) / batch
+    return kernel, bias
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored", "one_device"])
+def test_supported_strategies_train_like_plain_sgd_and_skip_an_overflow(
+    mirrored_strategy, strategy_name
+):
+    strategy = {
+        "mirrored": mirrored_strategy,
+        "one_device": tf.distribute.OneDeviceStrategy("/cpu:0"),
+    }[strategy_name]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = rng.normal(size=(48, 1)).astype("float32")
+    # Global batches of 8; under MirroredStrategy replica 0 takes rows 0-3,
+    # replica 1 rows 4-7. Row 13 is in replica 1's half of step 2: the loss
+    # there is not finite, and only that replica sees it.
+    x[13, 2] = np.inf
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(
+            kmp.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1), initial_scale=2.0**10, growth_interval=2
+            ),
+            "mse",
+        )
+    assert model.distribute_strategy is strategy
+    kmp_distribute.check_strategy(strategy)
     kmp_distribute.check_strategy(tf.distribute.get_strategy())
+    steps = TrainableWeightsPerStep()
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[steps])
+
+    optimizer = model.optimizer
+    assert history.history["skipped_steps"] == [1]
+    assert int(optimizer.skipped_steps) == 1 and int(optimizer.iterations.numpy()) == 5
+    # 6 steps, growth every 2 finite steps: ok, skip, ok, ok (grow), ok, ok (grow).
+    assert float(optimizer.loss_scale) == 2.0**10 * 2.0**2 * 0.5**1
+    assert history.history["loss_scale"] == [2.0**10 * 2.0**2 * 0.5**1]
+    # The skipped step changed nothing; every other step did.
+    assert [steps.unchanged_by(step) for step in range(1, 7)] == [
+        False, True, False, False, False, False
+    ]
+    # The other steps are plain SGD on the whole global batch's mean loss.
+    kernel, bias = _sgd_on_linear_regression(
+        x.astype("float64"), y.astype("float64"), *steps.weights[0],
+        batch=8, learning_rate=0.1, skipped={2},
+    )
+    np.testing.assert_allclose(steps.weights[-1][0], kernel, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(steps.weights[-1][1], bias, rtol=1e-5, atol=1e-6)
 
 
 def test_shard_only_overflow_skips_on_every_replica(mirrored_strategy):

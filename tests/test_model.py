@@ -4,7 +4,12 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from _helpers import assert_close_to_float16_rounding
+from _helpers import (
+    OVERFLOWING_SAMPLE_WEIGHT,
+    TrainableWeightsPerStep,
+    assert_close_to_float16_rounding,
+    overflowing_sample_weights,
+)
 from kmp.model import FunctionalModel
 
 
@@ -50,22 +55,30 @@ def test_fit_in_mixed_precision(policy, kind, jit_compile):
         jit_compile=jit_compile,
     )
     x, y = _data()
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    model(x[:1])  # built, so that the weights before the first step are known
+    # Batch 3 of 4 overflows float16 in the backward pass, in both epochs.
+    sample_weight = overflowing_sample_weights(len(x), 16, batches=[3])
+    steps = TrainableWeightsPerStep()
+    history = model.fit(x, y, sample_weight=sample_weight, batch_size=16, epochs=2,
+                        shuffle=False, verbose=0, callbacks=[steps])
     compute_dtype = "float16" if policy == "mixed_float16" else "bfloat16"
     assert model.layers[-1].compute_dtype == compute_dtype
     assert all(v.dtype == "float32" for v in model.weights)
     assert np.all(np.isfinite(history.history["loss"]))
     if policy == "mixed_float16":
         assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
-        # These tiny models may overflow at 2**15 in the first steps; each
-        # overflow halves the scale and costs one update, nothing more.
-        skipped = history.history["skipped_steps"]
-        assert skipped[0] <= skipped[1] <= 3
-        assert history.history["loss_scale"][-1] == 2.0**15 * 0.5 ** skipped[1]
-        assert int(model.optimizer.iterations) == 8 - skipped[1]
+        # Exactly the two poisoned steps are skipped, each one backoff of the
+        # default scale (2**15, growth every 2000 steps: none here).
+        assert history.history["skipped_steps"] == [1, 2]
+        assert history.history["loss_scale"] == [2.0**15 * 0.5**1, 2.0**15 * 0.5**2]
+        assert int(model.optimizer.iterations) == 8 - 2
+        unchanged = [3, 7]
     else:  # bfloat16 has float32's range: no scaling, no extra logs
         assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         assert "loss_scale" not in history.history
+        assert int(model.optimizer.iterations) == 8
+        unchanged = []
+    assert [step for step in range(1, 9) if steps.unchanged_by(step)] == unchanged
     predictions = model.predict(x[:4], verbose=0)
     assert predictions.dtype == np.float32
     np.testing.assert_allclose(predictions.sum(axis=1), 1.0, rtol=1e-2)
@@ -79,7 +92,8 @@ def test_loss_scale_too_high_is_backed_off_and_every_skip_counted():
     )
     model.compile(optimizer, "sparse_categorical_crossentropy")
     x, y = _data(n=320)
-    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    steps = TrainableWeightsPerStep()
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[steps])
     skipped = int(optimizer.skipped_steps)
     # float16 tops out at 65504: 2**24 times the loss overflows until the scale
     # has backed off under ~2**16 (lower where a softmax output is small and
@@ -88,6 +102,10 @@ def test_loss_scale_too_high_is_backed_off_and_every_skip_counted():
     assert history.history["skipped_steps"] == [skipped]
     assert float(optimizer.loss_scale) == 2.0**24 * 0.5**skipped
     assert int(optimizer.iterations) == 20 - skipped
+    # Each skip left the weights as they were, and the first steps are skips:
+    # 2**24 / 16 (a gradient of order 1/16) is beyond 65504 until 2**20.
+    unchanged = [step for step in range(1, 21) if steps.unchanged_by(step)]
+    assert len(unchanged) == skipped and unchanged[:5] == [1, 2, 3, 4, 5]
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
@@ -123,14 +141,33 @@ def test_tf_data_steps_per_execution_sample_weights():
     kmp.set_policy("mixed_float16")
     x, y = _data(n=96)
     weights = np.linspace(0.5, 1.5, 96).astype("float32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(16)
-    model = _functional()
-    model.compile("adam", "sparse_categorical_crossentropy", steps_per_execution=3)
-    history = model.fit(dataset, epochs=2, verbose=0)
-    skipped = int(model.optimizer.skipped_steps)
-    assert history.history["skipped_steps"][-1] == skipped
-    assert int(model.optimizer.iterations) == 12 - skipped
-    assert history.history["loss_scale"][-1] == 2.0**15 * 0.5**skipped
+    # Batch 5 of 6 overflows in the backward pass, in both epochs; the other
+    # batches keep their own weights.
+    poisoned = overflowing_sample_weights(96, 16, batches=[5]) > 1
+    weights[poisoned] = OVERFLOWING_SAMPLE_WEIGHT
+
+    def fit(keep):
+        keras.utils.set_random_seed(0)
+        model = _functional()
+        # A scale at which this model's own gradients stay far below 65504.
+        optimizer = kmp.LossScaleOptimizer("adam", initial_scale=2.0**10)
+        model.compile(optimizer, "sparse_categorical_crossentropy", steps_per_execution=3)
+        dataset = tf.data.Dataset.from_tensor_slices((x[keep], y[keep], weights[keep])).batch(16)
+        return model, dataset, model.fit(dataset, epochs=2, verbose=0)
+
+    model, dataset, history = fit(np.ones(96, bool))
+    assert history.history["skipped_steps"] == [1, 2]
+    assert int(model.optimizer.skipped_steps) == 2
+    assert int(model.optimizer.iterations) == 12 - 2
+    assert history.history["loss_scale"] == [2.0**10 * 0.5**1, 2.0**10 * 0.5**2]
+    # The skipped steps changed no trainable weight: the run trained exactly
+    # like one on the data without batch 5 (whose loss scale never backed
+    # off, a power of 2 that changes no rounding here).
+    control, _, control_history = fit(~poisoned)
+    assert control_history.history["skipped_steps"] == [0, 0]
+    assert int(control.optimizer.iterations) == 10
+    for ours, theirs in zip(model.trainable_weights, control.trainable_weights):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
     loss = model.evaluate(dataset, verbose=0)
     assert np.isfinite(loss)
 
@@ -301,11 +338,18 @@ def test_distributed_fit_with_mirrored_strategy(mirrored_strategy):
         model = _functional()
         model.compile("adam", "sparse_categorical_crossentropy")
     x, y = _data()
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    skipped = int(model.optimizer.skipped_steps)
-    assert history.history["skipped_steps"][-1] == skipped
-    assert history.history["loss_scale"][-1] == 2.0**15 * 0.5**skipped
-    assert int(model.optimizer.iterations.numpy()) == 8 - skipped
+    # Batch 2 of 4 overflows in the backward pass, in both epochs; one row of
+    # it is enough, here one on replica 0 (rows 0-7 of each global batch).
+    sample_weight = np.ones(len(x), "float32")
+    sample_weight[16 + 3] = OVERFLOWING_SAMPLE_WEIGHT
+    steps = TrainableWeightsPerStep()
+    history = model.fit(x, y, sample_weight=sample_weight, batch_size=16, epochs=2,
+                        shuffle=False, verbose=0, callbacks=[steps])
+    assert history.history["skipped_steps"] == [1, 2]
+    assert int(model.optimizer.skipped_steps) == 2
+    assert history.history["loss_scale"] == [2.0**15 * 0.5**1, 2.0**15 * 0.5**2]
+    assert int(model.optimizer.iterations.numpy()) == 8 - 2
+    assert [step for step in range(1, 9) if steps.unchanged_by(step)] == [2, 6]
 
 
 def test_uncompiled_model_reloads_uncompiled(tmp_path):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zipfile
 
 import keras
 import numpy as np
@@ -163,23 +164,25 @@ def _start(tmp_path, name, *args):
 
 def _finish(process):
     _, stderr = process.communicate(timeout=240)
-    assert process.returncode == 0, stderr[-3000:]
+    if process.returncode != 0:
+        # pytest.fail, not assert: an xfail(raises=AssertionError) below must
+        # not pass for a worker that crashed.
+        pytest.fail(f"The worker failed (exit {process.returncode}):\n{stderr[-3000:]}")
 
 
 def _kill_when_paused(process, marker):
     deadline = time.monotonic() + 240
     while not marker.exists():
         if process.poll() is not None:
-            raise AssertionError(
-                "The worker ended before pausing:\n" + process.stderr.read()[-3000:]
-            )
+            pytest.fail("The worker ended before pausing:\n" + process.stderr.read()[-3000:])
         if time.monotonic() > deadline:
             process.kill()
-            raise AssertionError("The worker never paused.")
+            pytest.fail("The worker never paused.")
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL
+    if process.returncode != -signal.SIGKILL:
+        pytest.fail(f"The worker was not killed: exit {process.returncode}")
     process.stdout.close()
     process.stderr.close()
 
@@ -229,24 +232,36 @@ def test_sigkill_mid_save_then_mid_epoch_resumes_bit_identical(worker):
     assert not backup.exists()  # delete_checkpoint=True once training ends
 
 
-def test_keras_backup_killed_mid_save_resumes_from_a_state_that_never_existed(worker):
-    """Why kmp.callbacks.BackupAndRestore exists: this is what Keras' own callback does."""
+_KERAS_WRITES_IN_PLACE = (
+    "Keras 3.15 writes checkpoints in place: BackupAndRestore._save_model calls "
+    "model.save_weights(overwrite=True) on the very file training_metadata.json "
+    "points to, and saving_lib.save_model opens the .keras path with "
+    'open(filepath, "wb"). A save cut short destroys the previous checkpoint; '
+    "BackupAndRestore then resumes from the epoch in the old metadata with the "
+    "layers written before the kill and a fresh optimizer (iterations 0, loss "
+    "scale 2**127): a state that never existed. kmp.callbacks fixes both."
+)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KERAS_WRITES_IN_PLACE)
+def test_keras_backup_killed_mid_save_resumes_from_the_last_complete_backup(worker):
+    """What kmp.callbacks.BackupAndRestore does (see the test above), asked of Keras' own."""
     backup = worker / "backup"
+    reference, _, reference_dump = _start(worker, "reference", "--backup", str(worker / "ref"))
     first, marker, _ = _start(
         worker, "first", "--callback", "keras", "--backup", str(backup),
         "--pause-in-save", "3",
     )
     _kill_when_paused(first, marker)
+    _finish(reference)
     resumed, _, resumed_dump = _start(
         worker, "resumed", "--callback", "keras", "--backup", str(backup)
     )
     _finish(resumed)
-    restored = np.load(resumed_dump / "restored.npz")
-    # Epoch 2 from the intact metadata, but no optimizer state at all: the
-    # loss scale, its skip counter and Adam's step count start over.
-    assert int(restored["initial_epoch"]) == 2
-    assert int(restored["iterations"]) == 0
-    assert float(restored["loss_scale"]) == 2.0**127
+    # The run died writing epoch 3's backup: epoch 2's must be resumed, all of
+    # it (layers, Adam's slots and step, loss scale and skip counter).
+    assert int(np.load(resumed_dump / "restored.npz")["initial_epoch"]) == 2
+    _assert_same_state(reference_dump / "epoch2.npz", resumed_dump / "restored.npz")
 
 
 def _bfloat16_model():
@@ -305,7 +320,17 @@ def _fail_half_way_through_saving(monkeypatch):
     monkeypatch.setattr(saving_lib, "_save_state", save_state)
 
 
-@pytest.mark.parametrize("callback_class", [keras.callbacks.ModelCheckpoint, kmp.callbacks.ModelCheckpoint])
+@pytest.mark.parametrize(
+    "callback_class",
+    [
+        pytest.param(
+            keras.callbacks.ModelCheckpoint,
+            marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                    reason=_KERAS_WRITES_IN_PLACE),
+        ),
+        kmp.callbacks.ModelCheckpoint,
+    ],
+)
 def test_checkpoint_interrupted_while_saving_keeps_the_previous_one(
     tmp_path, monkeypatch, callback_class
 ):
@@ -321,17 +346,30 @@ def test_checkpoint_interrupted_while_saving_keeps_the_previous_one(
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
     monkeypatch.undo()
 
-    if callback_class is keras.callbacks.ModelCheckpoint:
-        # Keras writes in place: the good checkpoint is gone, and loading
-        # says why instead of Keras' "File not found".
-        assert path.read_bytes() != good
-        with pytest.raises(ValueError, match="not a complete .keras archive"):
-            kmp.load_model(path)
-        return
     assert path.read_bytes() == good
     assert os.listdir(tmp_path) == ["latest.keras"]  # no partial file left
     restored = kmp.load_model(path)
     assert int(restored.optimizer.iterations) == 3
+
+
+def test_loading_an_archive_whose_save_was_interrupted_says_why(tmp_path):
+    model = _bfloat16_model()
+    model.save(tmp_path / "good.keras")
+    # What an exception while writing the weights leaves: the zip is closed
+    # (its directory written) without the weights entry.
+    with zipfile.ZipFile(tmp_path / "good.keras") as good, zipfile.ZipFile(
+        tmp_path / "cut.keras", "w"
+    ) as cut:
+        names = good.namelist()
+        assert "model.weights.h5" in names
+        for name in names:
+            if name != "model.weights.h5":
+                cut.writestr(name, good.read(name))
+    # Keras itself says "Expected a model.weights.h5 or model.weights.npz
+    # file."; kmp says what happened and what to do.
+    with pytest.raises(ValueError, match=r"not a complete .keras archive.*only the entries"):
+        kmp.load_model(tmp_path / "cut.keras")
+    assert kmp.load_model(tmp_path / "good.keras").built
 
 
 def test_restore_refuses_a_backup_without_the_optimizer_state(tmp_path):

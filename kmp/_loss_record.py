@@ -35,7 +35,32 @@ def _state():
         _thread.scaled_losses = {}  # id(optimizer) -> the latest unscaled loss
         _thread.tape_gradients = 0
         _thread.last_losses = {}
+        _thread.step_depth = 0
+        _thread.applied = []  # optimizers that applied in the current train step
     return _thread
+
+
+class train_step:  # noqa: N801  (used as `with _loss_record.train_step() as applied:`)
+    """Collects the optimizers that `apply` in one (possibly nested) train step.
+
+    `with train_step() as applied:` yields a list that, after the block,
+    holds each optimizer that ran `apply` inside it, in order, once; only
+    the outermost block of a thread collects (a `train_step` that calls
+    `super().train_step`).
+    """
+
+    def __enter__(self):
+        state = _state()
+        self._outer = state.step_depth == 0
+        state.step_depth += 1
+        if self._outer:
+            state.applied = []
+            return state.applied
+        return []
+
+    def __exit__(self, *exc_info):
+        _state().step_depth -= 1
+        return False
 
 
 def record(optimizer, loss):
@@ -53,6 +78,8 @@ def take(optimizer):
     """
     state = _state()
     tape_gradients, state.tape_gradients = state.tape_gradients, 0
+    if state.step_depth and all(optimizer is not seen for seen in state.applied):
+        state.applied.append(optimizer)
     if id(optimizer) in state.scaled_losses:
         loss = _usable_here(state.scaled_losses.pop(id(optimizer)))
         state.last_losses[id(optimizer)] = loss

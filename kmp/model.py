@@ -1,5 +1,6 @@
 """kmp.Model: a keras.Model whose training applies the precision policy."""
 
+import functools
 import numbers
 
 import keras
@@ -7,6 +8,7 @@ from keras import ops
 
 from kmp import _keras_internals
 from kmp import _loss_record
+from kmp import _optimizers
 from kmp import distribute as distribute_module
 from kmp import export as export_module
 from kmp import loss_scale as loss_scale_module
@@ -78,6 +80,20 @@ def _inject_functional(cls):
         return cls
     cls.__bases__ = tuple(_inject_functional(base) for base in cls.__bases__)
     return cls
+
+
+def _reporting_scalers(train_step):
+    """Wraps a `train_step` so that its logs carry the loss scalers' state."""
+
+    @functools.wraps(train_step)
+    def train_step_with_scaler_logs(self, data):
+        with _loss_record.train_step() as applied:
+            logs = train_step(self, data)
+        if applied and isinstance(logs, dict):
+            logs = dict(logs, **self._scaler_logs(applied))
+        return logs
+
+    return train_step_with_scaler_logs
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -224,19 +240,38 @@ class Model(keras.Model):
         """
         return [_to_float32(loss) for loss in super().losses]
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A subclass's own train_step (a GAN's, a VAE's) reports its scalers
+        # too, with no change to the user's code.
+        if "train_step" in vars(cls):
+            cls.train_step = _reporting_scalers(vars(cls)["train_step"])
+
     def train_step(self, data):
         # Keras' own step: it calls `optimizer.scale_loss(loss)` and
         # `optimizer.apply_gradients`, which is all kmp's scaler needs.
-        logs = super().train_step(data)
-        optimizer = self.optimizer
-        if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
-            return logs
-        logs["loss_scale"] = optimizer.loss_scale
-        logs["skipped_steps"] = optimizer.skipped_steps
-        loss = _loss_record.last_loss(optimizer)
+        return super().train_step(data)
+
+    def _scaler_logs(self, applied):
+        """The logs of the loss scalers that applied in a train step.
+
+        One scaler: `loss_scale` and `skipped_steps` (plus the monitor's
+        per-step values while one watches). Several (a GAN's): each named
+        after its attribute, `d_optimizer_loss_scale`, ...
+        """
+        names = {id(opt): name for name, opt in _optimizers.scaling_optimizers(self).items()}
+        scalers = [
+            opt for opt in applied if isinstance(opt, loss_scale_module.LossScaleOptimizer)
+        ]
+        logs = {}
+        for optimizer in scalers:
+            prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
+            logs[prefix + "loss_scale"] = optimizer.loss_scale
+            logs[prefix + "skipped_steps"] = optimizer.skipped_steps
+        loss = _loss_record.last_loss(scalers[0]) if len(scalers) == 1 else None
         if (
-            optimizer._monitored
-            and loss is not None
+            loss is not None
+            and scalers[0]._monitored
             and self.distribute_strategy.num_replicas_in_sync == 1
         ):
             # For kmp.callbacks.LossScaleMonitor, and only while one watches:
@@ -246,15 +281,31 @@ class Model(keras.Model):
             # all-reduce each of them, and collectives of different shapes
             # can be ordered differently on each replica; the monitor reads
             # the optimizer instead.
-            counters, nonfinite_gradients = optimizer._monitor_state()
+            counters, nonfinite_gradients = scalers[0]._monitor_state()
             logs[_MONITOR_LOG_PREFIX + "counters"] = counters
             logs[_MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
             logs[_MONITOR_LOG_PREFIX + "loss"] = ops.cast(loss, "float32")
         return logs
 
+    def _wrap_optimizers(self):
+        """Makes every optimizer the model holds a kmp.LossScaleOptimizer.
+
+        `compile` wraps `optimizer`; a GAN's `d_optimizer` and
+        `g_optimizer`, set by its own `compile`, are wrapped here, before
+        the first step is traced, by the same rule (`loss_scale`).
+        """
+        loss_scale = getattr(self, "_kmp_loss_scale", "auto")
+        for name, optimizer in _optimizers.optimizers_by_attribute(self).items():
+            if name == "optimizer" or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                continue
+            wrapped = _loss_scale_optimizer(optimizer, loss_scale, self)
+            if wrapped is not optimizer:
+                setattr(self, name, wrapped)
+
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
+        self._wrap_optimizers()
         if distribute_module.is_multi_worker(self.distribute_strategy):
             # Keras' own train function fails across workers.
             self.train_function = distribute_module.make_multi_worker_function(
@@ -337,6 +388,9 @@ class Model(keras.Model):
         return super().fit(
             x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs
         )
+
+
+Model.train_step = _reporting_scalers(Model.train_step)
 
 
 @keras.saving.register_keras_serializable(package="kmp", name="FunctionalModel")

@@ -64,3 +64,31 @@ def test_quickstart_trains_exports_and_reloads(policy, how, tmp_path, capsys):
     else:  # bfloat16 or float32: nothing is scaled, so nothing is drawn
         assert "no loss scaling" in output
         assert not plot.exists()
+
+
+_GAN = pathlib.Path(__file__).parents[1] / "examples" / "gan.py"
+
+
+def test_gan_example_runs_as_a_script(tmp_path):
+    # `python examples/gan.py` as a new user runs it: its own train_step and
+    # two optimizers, each wrapped and reported by kmp.
+    result = subprocess.run(
+        [sys.executable, str(_GAN), "--epochs", "1"],
+        cwd=tmp_path,
+        env=child_env(gpu=True),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("policy mixed_float16: d_loss ")
+    losses = [float(part.split()[1]) for part in lines[0].split(": ", 1)[1].split(", ")]
+    assert all(0.0 < loss < 5.0 for loss in losses)
+    for name in ("d_optimizer", "g_optimizer"):
+        line = next(line for line in lines if line.startswith(name + ":"))
+        assert "kmp.loss_scale.LossScaleOptimizer" in line
+        skipped, total = (int(v) for v in line.split("skipped steps ")[1].split(" of "))
+        assert total == 28 and 0 <= skipped < total  # 1797 digits // 64 steps
+    assert "generated images: shape (4, 8, 8, 1), dtype float32, finite True" in lines
+    assert "UserWarning" not in result.stderr or "scale_loss" not in result.stderr

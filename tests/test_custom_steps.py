@@ -1,0 +1,213 @@
+"""Every way Keras users train: their own train_step (keras.io's DCGAN and VAE
+shapes), several optimizers, and loops outside fit."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+import kmp
+
+_LATENT = 4
+_FEATURES = 6
+
+
+def _mlp(inputs, units, name):
+    return keras.Sequential(
+        [keras.Input((inputs,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(units)],
+        name=name,
+    )
+
+
+def _gan_class(base, scaled):
+    """keras.io's DCGAN `GAN`, on vectors; `scaled` adds its one line per loss."""
+
+    class GAN(base):
+        def __init__(self):
+            super().__init__()
+            self.discriminator = _mlp(_FEATURES, 1, "discriminator")
+            self.generator = _mlp(_LATENT, _FEATURES, "generator")
+
+        def compile(self, d_optimizer, g_optimizer, loss_fn):
+            super().compile()
+            self.d_optimizer = d_optimizer
+            self.g_optimizer = g_optimizer
+            self.loss_fn = loss_fn
+            self.d_loss_metric = keras.metrics.Mean(name="d_loss")
+            self.g_loss_metric = keras.metrics.Mean(name="g_loss")
+
+        @property
+        def metrics(self):
+            return [self.d_loss_metric, self.g_loss_metric]
+
+        def train_step(self, data):
+            real, latent = data
+            batch_size = ops.shape(real)[0]
+            generated = self.generator(latent)
+            combined = ops.concatenate([ops.cast(generated, "float32"), real], axis=0)
+            labels = ops.concatenate([ops.ones((batch_size, 1)), ops.zeros((batch_size, 1))], axis=0)
+            with tf.GradientTape() as tape:
+                d_loss = self.loss_fn(labels, self.discriminator(combined))
+                scaled_d = self.d_optimizer.scale_loss(d_loss) if scaled else d_loss
+            grads = tape.gradient(scaled_d, self.discriminator.trainable_weights)
+            self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+            with tf.GradientTape() as tape:
+                predictions = self.discriminator(self.generator(latent))
+                g_loss = self.loss_fn(ops.zeros((batch_size, 1)), predictions)
+                scaled_g = self.g_optimizer.scale_loss(g_loss) if scaled else g_loss
+            grads = tape.gradient(scaled_g, self.generator.trainable_weights)
+            self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+            self.d_loss_metric.update_state(d_loss)
+            self.g_loss_metric.update_state(g_loss)
+            return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
+
+        def call(self, latent):
+            return self.generator(latent)
+
+    return GAN
+
+
+def _gan_data(poison_step=None, steps=6, batch=4):
+    rng = np.random.default_rng(0)
+    real = rng.normal(size=(steps * batch, _FEATURES)).astype("float32")
+    latent = rng.normal(size=(steps * batch, _LATENT)).astype("float32")
+    if poison_step is not None:
+        # A real batch beyond float16's range: the discriminator's step
+        # overflows and is skipped; the generator's is not.
+        real[poison_step * batch:(poison_step + 1) * batch] *= 1e5
+    return tf.data.Dataset.from_tensor_slices((real, latent)).batch(batch)
+
+
+def _train_gan(base, scaled, optimizer, poison_step=None):
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    gan = _gan_class(base, scaled)()
+    gan.compile(optimizer(), optimizer(), keras.losses.BinaryCrossentropy(from_logits=True))
+    history = gan.fit(_gan_data(poison_step), epochs=1, verbose=0).history
+    return gan, history
+
+
+def test_gan_with_one_line_per_loss_matches_keras_own_scaler_recipe():
+    kmp_gan, kmp_history = _train_gan(kmp.Model, True, lambda: keras.optimizers.SGD(0.05), 2)
+    keras_gan, keras_history = _train_gan(
+        keras.Model, True,
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), 2,
+    )
+    # kmp wrapped both attribute optimizers, with no change to the code.
+    assert isinstance(kmp_gan.d_optimizer, kmp.LossScaleOptimizer)
+    assert isinstance(kmp_gan.g_optimizer, kmp.LossScaleOptimizer)
+    d_skips = int(kmp_gan.d_optimizer.skipped_steps)
+    assert d_skips >= 1  # the poisoned batch
+    assert int(kmp_gan.d_optimizer.counters["forward_overflows"]) >= 1
+    assert kmp_history["d_optimizer_skipped_steps"] == [d_skips]
+    assert kmp_history["g_optimizer_skipped_steps"] == [int(kmp_gan.g_optimizer.skipped_steps)]
+    assert kmp_history["d_optimizer_loss_scale"] == [float(kmp_gan.d_optimizer.loss_scale)]
+    # Keras' own scaler backs off the same way: same scales, same losses.
+    assert float(keras_gan.d_optimizer.dynamic_scale) == float(kmp_gan.d_optimizer.loss_scale)
+    assert float(keras_gan.g_optimizer.dynamic_scale) == float(kmp_gan.g_optimizer.loss_scale)
+    for key in ("d_loss", "g_loss"):
+        np.testing.assert_allclose(kmp_history[key], keras_history[key], rtol=1e-6)
+    for mine, theirs in zip(kmp_gan.weights, keras_gan.weights):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-6, atol=1e-7)
+
+
+def test_gan_code_unchanged_is_never_divided_and_warns_once_per_optimizer():
+    with pytest.warns(UserWarning, match="scale_loss") as record:
+        kmp_gan, history = _train_gan(kmp.Model, False, lambda: keras.optimizers.SGD(0.05))
+    unscaled = [str(w.message) for w in record if "was not scaled" in str(w.message)]
+    assert len(unscaled) == 2  # d_optimizer and g_optimizer, once each
+    # The same as the example run without any loss scaling.
+    plain_gan, plain_history = _train_gan(keras.Model, False, lambda: keras.optimizers.SGD(0.05))
+    for mine, theirs in zip(kmp_gan.weights, plain_gan.weights):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-6, atol=1e-7)
+    assert history["d_optimizer_skipped_steps"] == [0]
+
+
+class _VAE(kmp.Model):
+    """keras.io's VAE shape: its own train_step on `self.optimizer`."""
+
+    def __init__(self, scaled, **kwargs):
+        super().__init__(**kwargs)
+        self.scaled = scaled
+        self.encoder = _mlp(_FEATURES, 2 * _LATENT, "encoder")
+        self.decoder = _mlp(_LATENT, _FEATURES, "decoder")
+
+    def call(self, x):
+        return self.decoder(self.encoder(x)[:, :_LATENT])
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            encoded = ops.cast(self.encoder(data), "float32")
+            mean, log_var = encoded[:, :_LATENT], encoded[:, _LATENT:]
+            reconstruction = ops.cast(self.decoder(mean), "float32")
+            loss = ops.mean(ops.sum(ops.square(data - reconstruction), axis=1)) - 0.5 * ops.mean(
+                ops.sum(1 + log_var - ops.square(mean) - ops.exp(log_var), axis=1)
+            )
+            if self.scaled:
+                loss = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        return {"loss": loss}
+
+
+def _train_vae(scaled, loss_scale):
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    vae = _VAE(scaled)
+    vae.compile(keras.optimizers.SGD(0.01), loss_scale=loss_scale)
+    x = np.random.default_rng(1).normal(size=(32, _FEATURES)).astype("float32")
+    history = vae.fit(x, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+    return vae, history
+
+
+def test_vae_code_unchanged_trains_as_without_scaling_not_divided_by_the_scale():
+    with pytest.warns(UserWarning, match=r"loss = optimizer.scale_loss\(loss\)"):
+        vae, history = _train_vae(scaled=False, loss_scale="auto")
+    reference, _ = _train_vae(scaled=False, loss_scale=None)
+    moved = [np.abs(np.asarray(v) - np.asarray(r)).max() for v, r in zip(vae.weights, reference.weights)]
+    assert max(moved) < 1e-6
+    assert history["loss_scale"] == [2.0**15] and history["skipped_steps"] == [0]
+
+
+def test_vae_with_one_line_is_scaled_and_reported():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        vae, history = _train_vae(scaled=True, loss_scale="auto")
+    assert isinstance(vae.optimizer, kmp.LossScaleOptimizer)
+    assert history["skipped_steps"] == [int(vae.optimizer.skipped_steps)]
+    assert int(vae.optimizer.iterations) + int(vae.optimizer.skipped_steps) == 4
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_custom_loop_recipe_skips_an_injected_overflow(compiled):
+    # The README's recipe: GradientTape, scale_loss, apply_gradients, counters.
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((_FEATURES,)), keras.layers.Dense(1)])
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**8)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(ops.cast(model(x), "float32") - y))
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_weights)
+        optimizer.apply_gradients(zip(grads, model.trainable_weights))
+        return loss
+
+    step = tf.function(step) if compiled else step
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        x = rng.normal(size=(8, _FEATURES)).astype("float32")
+        if i == 2:
+            x *= 1e4  # float16 gradients overflow at scale 2**8: skipped
+        before = [np.asarray(w) for w in model.weights]
+        step(x, np.zeros((8, 1), "float32"))
+        after = [np.asarray(w) for w in model.weights]
+        unchanged = all(np.array_equal(b, a) for b, a in zip(before, after))
+        assert unchanged == (i == 2)
+    assert int(optimizer.skipped_steps) == 1
+    assert int(optimizer.iterations) == 3
+    assert float(optimizer.loss_scale) == 2.0**7

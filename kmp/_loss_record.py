@@ -35,6 +35,7 @@ def _state():
         _thread.scaled_losses = {}  # id(optimizer) -> the latest unscaled loss
         _thread.tape_gradients = 0
         _thread.last_losses = {}
+        _thread.last_finite = {}
         _thread.step_depth = 0
         _thread.applied = []  # optimizers that applied in the current train step
     return _thread
@@ -86,6 +87,17 @@ def take(optimizer):
         return SCALED, loss
     state.last_losses[id(optimizer)] = None
     return (UNSCALED if tape_gradients else BY_HAND), None
+
+
+def note_finite(optimizer, finite):
+    """Notes the decision of `optimizer`'s latest `apply` in this thread."""
+    _state().last_finite[id(optimizer)] = finite
+
+
+def last_finite(optimizer):
+    """Boolean tensor: whether `optimizer`'s latest `apply` in this thread
+    applied its gradients (`None` before any)."""
+    return _state().last_finite.get(id(optimizer))
 
 
 def last_loss(optimizer):

@@ -59,7 +59,7 @@ def run_step(step, *args):
         step: Callable taking `replicas`, an object with `run(fn, *args)`
             (runs `fn` on every replica, returning per-replica results) and
             `first(value)` (one replica's value of a per-replica result),
-            then `args`.
+            then `args`. What it returns, `run_step` returns.
         *args: This replica's tensors (gradients, variables...). In the
             cross-replica context `step` receives every replica's, merged.
 
@@ -67,17 +67,15 @@ def run_step(step, *args):
         ValueError: if called in a cross-replica context.
     """
     if not tf.distribute.has_strategy():
-        step(_InReplica, *args)
-        return
+        return step(_InReplica, *args)
     if tf.distribute.in_cross_replica_context():
         raise ValueError(
             "`apply()` must be called in a replica context (inside "
             "`strategy.run`), not in a cross-replica context."
         )
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
-        step(_InReplica, *args)
-        return
-    tf.distribute.get_replica_context().merge_call(
+        return step(_InReplica, *args)
+    return tf.distribute.get_replica_context().merge_call(
         lambda distribution, *merged: step(_CrossReplica(distribution), *merged), args=args
     )
 

@@ -548,13 +548,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._warned_unscaled = True
             warnings.warn(_UNSCALED_WARNING.format(name=self.name), stacklevel=2)
         scaled = how != _loss_record.UNSCALED
-        _replicas.run_step(
+        finite = _replicas.run_step(
             lambda replicas, *args: self._step(replicas, *args, scaled=scaled),
             grads, trainable_variables, loss,
         )
+        _loss_record.note_finite(self, finite)
 
     def _step(self, replicas, grads, variables, loss, *, scaled):
-        """Reduce and decide, then one apply-or-skip dispatch, then the state update."""
+        """Reduce and decide, then one apply-or-skip dispatch, then the state update.
+
+        Returns the decision: whether this step's (micro-batch's) gradients
+        were finite and applied.
+        """
         # Unscale before the check only where dividing could overflow.
         unscale_first = scaled and self.min_scale < 1.0
         divisor = self._loss_scale if scaled and not unscale_first else None
@@ -569,10 +574,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if accumulating:
             # Decided per window, not per micro-batch: see kmp/_accumulation.py.
             _accumulation.step(self, replicas, decision, apply_on_replicas)
-            return
+            return replicas.first(decision).finite
         decision = replicas.first(decision)
         ops.cond(decision.finite, apply_on_replicas, lambda: None)
         self._update_state(decision)
+        return decision.finite
 
     def _decide(self, grads, variables, loss, reduce, unscale_first):
         """Per replica: the gradients to apply and the step's `_Decision`.

@@ -4,6 +4,7 @@ import functools
 import numbers
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from kmp import _keras_internals
@@ -184,6 +185,9 @@ class Model(keras.Model):
         optimizer = _loss_scale_optimizer(optimizer, loss_scale, self)
         self._kmp_loss_scale = loss_scale
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
+        # The mean loss of the epoch's skipped steps (see `train_step`); not
+        # one of the model's metrics, so not in the logs itself.
+        object.__setattr__(self, "_kmp_skipped_losses", keras.metrics.Mean(name="skipped_loss"))
 
     def get_compile_config(self):
         config = super().get_compile_config()
@@ -248,9 +252,52 @@ class Model(keras.Model):
             cls.train_step = _reporting_scalers(vars(cls)["train_step"])
 
     def train_step(self, data):
-        # Keras' own step: it calls `optimizer.scale_loss(loss)` and
-        # `optimizer.apply_gradients`, which is all kmp's scaler needs.
-        return super().train_step(data)
+        """Keras' own step, with a skipped step kept out of the epoch's logs.
+
+        Keras' step calls `optimizer.scale_loss(loss)` and
+        `optimizer.apply_gradients`, which is all kmp's scaler needs. Keras
+        would also count a skipped step's loss and metrics (one poisoned
+        batch would make the epoch's loss NaN, and `TerminateOnNaN` or
+        `EarlyStopping` react to a step that never happened): kmp restores
+        the metrics to what they were before a skipped step and counts its
+        loss apart; an epoch in which no step was applied logs the mean loss
+        of its skipped steps.
+        """
+        optimizer = self.optimizer
+        skipped_losses = getattr(self, "_kmp_skipped_losses", None)
+        if (
+            not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
+            or not optimizer.enabled
+            or skipped_losses is None
+        ):
+            return super().train_step(data)
+        metric_variables = list(self.metrics_variables)
+        before = [tf.identity(v.value) for v in metric_variables]
+        logs = super().train_step(data)
+        finite = _loss_record.last_finite(optimizer)
+        loss = _loss_record.last_loss(optimizer)
+        if finite is None or loss is None:
+            return logs
+
+        def forget_skipped_step():
+            for variable, value in zip(metric_variables, before):
+                variable.assign(value)
+            skipped_losses.update_state(
+                ops.cast(loss, "float32") * self.distribute_strategy.num_replicas_in_sync
+            )
+
+        ops.cond(finite, lambda: None, forget_skipped_step)
+        logs = dict(self.get_metrics_result())
+        if "loss" in logs:
+            logs["loss"] = ops.where(
+                self._loss_tracker.count > 0, logs["loss"], skipped_losses.result()
+            )
+        return logs
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        if getattr(self, "_kmp_skipped_losses", None) is not None:
+            self._kmp_skipped_losses.reset_state()
 
     def _scaler_logs(self, applied):
         """The logs of the loss scalers that applied in a train step.

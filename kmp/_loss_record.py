@@ -36,6 +36,8 @@ def _state():
         _thread.tape_gradients = 0
         _thread.last_losses = {}
         _thread.last_finite = {}
+        _thread.last_retry = {}
+        _thread.retries_left = {}
         _thread.step_depth = 0
         _thread.applied = []  # optimizers that applied in the current train step
     return _thread
@@ -89,9 +91,41 @@ def take(optimizer):
     return (UNSCALED if tape_gradients else BY_HAND), None
 
 
-def note_finite(optimizer, finite):
-    """Notes the decision of `optimizer`'s latest `apply` in this thread."""
+def note_finite(optimizer, finite, retry=None):
+    """Notes the decision of `optimizer`'s latest `apply` in this thread:
+    whether it applied, and whether `kmp.Model` will retry its batch."""
     _state().last_finite[id(optimizer)] = finite
+    _state().last_retry[id(optimizer)] = retry
+
+
+def last_retry(optimizer):
+    """Boolean tensor: whether `optimizer`'s latest `apply` asked for a retry
+    (`None` when retries were not on)."""
+    return _state().last_retry.get(id(optimizer))
+
+
+def set_last_loss(optimizer, loss):
+    """Replaces the loss `last_loss` returns (a retry loop's output)."""
+    _state().last_losses[id(optimizer)] = loss
+
+
+class retrying:  # noqa: N801  (used as `with _loss_record.retrying(optimizer, n):`)
+    """Tells `optimizer.apply` in the block how many retries its batch has left."""
+
+    def __init__(self, optimizer, retries_left):
+        self._key, self._retries_left = id(optimizer), retries_left
+
+    def __enter__(self):
+        _state().retries_left[self._key] = self._retries_left
+
+    def __exit__(self, *exc_info):
+        _state().retries_left.pop(self._key, None)
+        return False
+
+
+def retries_left(optimizer):
+    """The retries `optimizer`'s current batch has left, or `None` (no retries)."""
+    return _state().retries_left.get(id(optimizer))
 
 
 def last_finite(optimizer):

@@ -156,12 +156,18 @@ _COUNTERS = (
     "forward_overflows",
     "consecutive_skips",
     "consecutive_forward_overflows",
+    "retries",
 )
 
 # One step's decision, the same on every replica: whether the gradients are
 # finite, whether the unscaled loss is, and (only while a monitor watches)
 # int64 flags of the variables whose gradient is not.
-_Decision = collections.namedtuple("_Decision", ["finite", "loss_finite", "nonfinite_gradients"])
+# `retry` (a boolean, or `None` when the step cannot be retried): the
+# gradients overflowed, the loss did not, and `kmp.Model` will redo the batch
+# at a lower scale (`compile(overflow_retries=...)`), so it is not a skip.
+_Decision = collections.namedtuple(
+    "_Decision", ["finite", "loss_finite", "nonfinite_gradients", "retry"], defaults=(None,)
+)
 
 _UNSCALED_WARNING = (
     "kmp.LossScaleOptimizer '{name}' received gradients of a loss that was "
@@ -197,18 +203,35 @@ def _next_state(loss_scale, counters, decision, rule):
     )
     skipped = ops.logical_not(ops.cast(decision.finite, "bool"))
     forward = ops.logical_and(skipped, ops.logical_not(decision.loss_finite))
+    retry = ops.convert_to_tensor(False) if decision.retry is None else decision.retry
+    # A retried batch is not dropped: no skip is counted, and the scale backs
+    # off at once (whatever hysteresis is left) so that the retry can pass.
+    skipped_steps = ops.where(retry, counters["skipped_steps"], state.skipped_steps)
+    loss_scale = ops.where(
+        retry,
+        ops.maximum(loss_scale * rule["backoff_factor"], rule["min_scale"]),
+        state.loss_scale,
+    )
+    dropped = ops.logical_and(skipped, ops.logical_not(retry))
     counters = dict(
         counters,
         good_steps=state.good_steps,
-        hysteresis_left=state.hysteresis_left,
-        skipped_steps=state.skipped_steps,
+        hysteresis_left=ops.where(retry, counters["hysteresis_left"], state.hysteresis_left),
+        skipped_steps=skipped_steps,
         forward_overflows=counters["forward_overflows"] + ops.cast(forward, "int64"),
-        consecutive_skips=ops.where(skipped, counters["consecutive_skips"] + 1, 0),
+        consecutive_skips=ops.where(
+            dropped, counters["consecutive_skips"] + 1,
+            ops.where(retry, counters["consecutive_skips"], 0),
+        ),
         consecutive_forward_overflows=ops.where(
             forward, counters["consecutive_forward_overflows"] + 1, 0
         ),
+        retries=counters["retries"] + ops.cast(retry, "int64"),
     )
-    return state.loss_scale, {name: ops.cast(v, "int64") for name, v in counters.items()}
+    return (
+        ops.cast(loss_scale, "float32"),
+        {name: ops.cast(v, "int64") for name, v in counters.items()},
+    )
 
 
 def _check_number(name, value, *, allow_none=False, rule="a finite number > 0",
@@ -548,13 +571,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._warned_unscaled = True
             warnings.warn(_UNSCALED_WARNING.format(name=self.name), stacklevel=2)
         scaled = how != _loss_record.UNSCALED
-        finite = _replicas.run_step(
-            lambda replicas, *args: self._step(replicas, *args, scaled=scaled),
+        retries_left = _loss_record.retries_left(self)
+        if retries_left is not None and _accumulation.steps(self):
+            raise ValueError(
+                "`overflow_retries` cannot be combined with the inner optimizer's "
+                "`gradient_accumulation_steps` (a retry would redo one micro-batch "
+                "of a window). Received: gradient_accumulation_steps="
+                f"{_accumulation.steps(self)}"
+            )
+        finite, retry = _replicas.run_step(
+            lambda replicas, *args: self._step(
+                replicas, *args, scaled=scaled, retries_left=retries_left
+            ),
             grads, trainable_variables, loss,
         )
-        _loss_record.note_finite(self, finite)
+        _loss_record.note_finite(self, finite, retry)
 
-    def _step(self, replicas, grads, variables, loss, *, scaled):
+    def _step(self, replicas, grads, variables, loss, *, scaled, retries_left=None):
         """Reduce and decide, then one apply-or-skip dispatch, then the state update.
 
         Returns the decision: whether this step's (micro-batch's) gradients
@@ -574,11 +607,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if accumulating:
             # Decided per window, not per micro-batch: see kmp/_accumulation.py.
             _accumulation.step(self, replicas, decision, apply_on_replicas)
-            return replicas.first(decision).finite
+            return replicas.first(decision).finite, None
         decision = replicas.first(decision)
+        if retries_left is not None and self.dynamic:
+            decision = decision._replace(retry=ops.logical_and(
+                ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite),
+                ops.logical_and(retries_left > 0, self._loss_scale.value > self.min_scale),
+            ))
         ops.cond(decision.finite, apply_on_replicas, lambda: None)
         self._update_state(decision)
-        return decision.finite
+        return decision.finite, decision.retry
 
     def _decide(self, grads, variables, loss, reduce, unscale_first):
         """Per replica: the gradients to apply and the step's `_Decision`.
@@ -674,7 +712,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         counters = self._counters.value
         skipped = _COUNTERS.index("skipped_steps")
         step = ops.cast(self.iterations, "int64") + counters[skipped]
-        monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:]])
+        retries = _COUNTERS.index("retries")
+        monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:retries]])
         return monitored, tf.identity(self._nonfinite_gradients.value)
 
     # -- serialization -------------------------------------------------------

@@ -67,6 +67,19 @@ def _check_loss_scale(loss_scale):
         )
 
 
+def _check_overflow_retries(overflow_retries):
+    if (
+        isinstance(overflow_retries, bool)
+        or not isinstance(overflow_retries, numbers.Integral)
+        or overflow_retries < 0
+    ):
+        raise ValueError(
+            "`overflow_retries` must be an integer >= 0 (0: a batch whose "
+            "gradients overflow is dropped at once). Received: "
+            f"overflow_retries={overflow_retries!r}"
+        )
+
+
 def _inject_functional(cls):
     """Puts `FunctionalModel` in place of `Model` in `cls`'s bases.
 
@@ -155,10 +168,11 @@ class Model(keras.Model):
             outputs = super().__call__(*args, **kwargs)
         return _to_float32(outputs)
 
-    def compile(self, optimizer="rmsprop", *args, loss_scale="auto", **kwargs):
+    def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries=0, **kwargs):
         """Configures the model for training, with loss scaling.
 
-        Takes every argument of `keras.Model.compile`, plus `loss_scale`.
+        Takes every argument of `keras.Model.compile`, plus `loss_scale` and
+        `overflow_retries`.
 
         Args:
             optimizer: As for `keras.Model.compile`. A
@@ -169,21 +183,32 @@ class Model(keras.Model):
                 model computes in float16, none otherwise. `"dynamic"`: dynamic
                 scaling whatever the dtype. A positive number: a fixed scale
                 (non-finite steps are still skipped). `None`: no scaling.
+            overflow_retries: Int >= 0. A step whose gradients overflow
+                while its loss is finite backs the dynamic scale off and
+                redoes the same batch, up to this many times, before the
+                batch is dropped (counted in `skipped_steps`; retries are
+                counted in `retried_steps`). A step whose loss itself is not
+                finite is skipped at once. Needs a train step without
+                `merge_call` (no strategy, OneDeviceStrategy, or
+                MirroredStrategy on GPUs under XLA). Defaults to `0`.
             **kwargs: The other arguments of `keras.Model.compile`.
                 `auto_scale_loss=False` means `loss_scale=None`.
 
         Raises:
-            ValueError: if `loss_scale` is not one of the above, or the model
+            ValueError: if `loss_scale` or `overflow_retries` is not one of
+                the above, or the model
                 is under a `tf.distribute` strategy kmp does not support (see
                 `kmp.distribute.check_strategy`).
         """
         _check_loss_scale(loss_scale)
+        _check_overflow_retries(overflow_retries)
         distribute_module.check_strategy(self.distribute_strategy)
         if kwargs.pop("auto_scale_loss", True) is False and loss_scale == "auto":
             loss_scale = None
         optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
         optimizer = _loss_scale_optimizer(optimizer, loss_scale, self)
         self._kmp_loss_scale = loss_scale
+        self._kmp_overflow_retries = overflow_retries
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
         # The mean loss of the epoch's skipped steps (see `train_step`); not
         # one of the model's metrics, so not in the logs itself.
@@ -193,6 +218,7 @@ class Model(keras.Model):
         config = super().get_compile_config()
         if config:  # Keras returns {} for a model that was never compiled.
             config["loss_scale"] = getattr(self, "_kmp_loss_scale", "auto")
+            config["overflow_retries"] = getattr(self, "_kmp_overflow_retries", 0)
         return config
 
     def compile_from_config(self, config):
@@ -271,28 +297,85 @@ class Model(keras.Model):
             or skipped_losses is None
         ):
             return super().train_step(data)
-        metric_variables = list(self.metrics_variables)
-        before = [tf.identity(v.value) for v in metric_variables]
-        logs = super().train_step(data)
-        finite = _loss_record.last_finite(optimizer)
-        loss = _loss_record.last_loss(optimizer)
-        if finite is None or loss is None:
-            return logs
-
-        def forget_skipped_step():
-            for variable, value in zip(metric_variables, before):
-                variable.assign(value)
-            skipped_losses.update_state(
-                ops.cast(loss, "float32") * self.distribute_strategy.num_replicas_in_sync
-            )
-
-        ops.cond(finite, lambda: None, forget_skipped_step)
+        retries = getattr(self, "_kmp_overflow_retries", 0)
+        if retries:
+            self._retry_overflows(data, optimizer, retries)
+        else:
+            self._one_attempt(data, optimizer)
         logs = dict(self.get_metrics_result())
         if "loss" in logs:
             logs["loss"] = ops.where(
                 self._loss_tracker.count > 0, logs["loss"], skipped_losses.result()
             )
         return logs
+
+    def _one_attempt(self, data, optimizer):
+        """Keras' step on one batch; a skipped step leaves the metrics as they were.
+
+        Returns:
+            `(loss, retry)`: the unscaled loss and whether the optimizer asks
+            for the batch again (`None` without retries).
+        """
+        metric_variables = list(self.metrics_variables)
+        before = [tf.identity(v.value) for v in metric_variables]
+        super().train_step(data)
+        finite = _loss_record.last_finite(optimizer)
+        loss = _loss_record.last_loss(optimizer)
+        retry = _loss_record.last_retry(optimizer)
+        if finite is None or loss is None:
+            return loss, retry
+
+        def forget_skipped_step():
+            for variable, value in zip(metric_variables, before):
+                variable.assign(value)
+            # A batch to be retried is not lost: only a dropped one's loss counts.
+            dropped = ops.convert_to_tensor(True) if retry is None else ops.logical_not(retry)
+            self._kmp_skipped_losses.update_state(
+                ops.cast(loss, "float32") * self.distribute_strategy.num_replicas_in_sync,
+                sample_weight=ops.cast(dropped, "float32"),
+            )
+
+        ops.cond(finite, lambda: None, forget_skipped_step)
+        return loss, retry
+
+    def _retry_overflows(self, data, optimizer, retries):
+        """Redoes a batch whose gradients overflowed, at a lower scale.
+
+        ```
+        attempt = 0
+        do:
+            loss, retry = one attempt, `retries - attempt` retries left
+            attempt += 1
+        while retry   # the gradients overflowed, the loss did not, and
+                      # retries were left: the scale was backed off
+        ```
+
+        A `tf.while_loop` that runs once when nothing overflows. Under a
+        strategy every replica takes the same decision (on all-reduced
+        gradients), so all retry together.
+        """
+        if not tf.__internal__.distribute.strategy_supports_no_merge_call():
+            raise ValueError(
+                "`overflow_retries` needs the train step to run without "
+                "`merge_call`: no strategy, OneDeviceStrategy, or MirroredStrategy "
+                "on GPUs with `jit_compile=True`. This strategy "
+                f"({type(self.distribute_strategy).__name__}) synchronizes through "
+                "merge_call, which TensorFlow refuses inside the retry loop. "
+                "Received: overflow_retries=" f"{retries}"
+            )
+
+        def attempt(count, retry, loss):
+            with _loss_record.retrying(optimizer, retries - count):
+                new_loss, new_retry = self._one_attempt(data, optimizer)
+            return count + 1, new_retry, ops.cast(new_loss, "float32")
+
+        count, _, loss = tf.while_loop(
+            lambda count, retry, loss: retry,
+            attempt,
+            (ops.convert_to_tensor(0), ops.convert_to_tensor(True), ops.convert_to_tensor(0.0)),
+        )
+        # The loss of the attempt that counted, for the monitor's logs.
+        _loss_record.set_last_loss(optimizer, loss)
 
     def reset_metrics(self):
         super().reset_metrics()
@@ -315,6 +398,8 @@ class Model(keras.Model):
             prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
             logs[prefix + "loss_scale"] = optimizer.loss_scale
             logs[prefix + "skipped_steps"] = optimizer.skipped_steps
+            if getattr(self, "_kmp_overflow_retries", 0):
+                logs[prefix + "retried_steps"] = optimizer.counters["retries"]
         loss = _loss_record.last_loss(scalers[0]) if len(scalers) == 1 else None
         if (
             loss is not None

@@ -70,3 +70,108 @@ def test_skipped_step_kept_out_of_the_logs_under_mirrored(mirrored_strategy):
     _, reference = _fit_regression(x[keep], y[keep], strategy=mirrored_strategy)
     assert history["skipped_steps"] == [1, 2]
     np.testing.assert_allclose(history["loss"], reference["loss"], rtol=1e-5)
+
+
+# -- overflow retries ------------------------------------------------------
+
+
+def _backward_overflow_data(batches=6, overflowing=(0, 3)):
+    """Batches whose float16 gradients overflow at scale 2**15 but not at
+    2**10 (|dW| ~ 32 * scale), with a finite loss: the targets are 20."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8 * batches, 4)).astype("float32")
+    y = np.zeros((8 * batches, 1), "float32")
+    for batch in overflowing:
+        y[8 * batch:8 * (batch + 1)] = 20.0
+    return x, y
+
+
+def _fit_with_retries(retries, x, y, jit_compile=False, steps_per_execution=1):
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+    model.compile(
+        keras.optimizers.SGD(1e-4), "mse", overflow_retries=retries,
+        jit_compile=jit_compile, steps_per_execution=steps_per_execution,
+    )
+    weights = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: weights.append(np.asarray(model.weights[0]).copy())
+    )
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[callback]).history
+    return model, history, weights
+
+
+def test_without_retries_an_overflowing_batch_is_dropped():
+    x, y = _backward_overflow_data()
+    model, history, _ = _fit_with_retries(0, x, y)
+    skipped = int(model.optimizer.skipped_steps)
+    assert skipped >= 2 and int(model.optimizer.iterations) == 6 - skipped
+    assert int(model.optimizer.counters["retries"]) == 0
+
+
+@pytest.mark.parametrize("jit_compile, steps_per_execution", [(False, 1), (True, 1), (False, 3)])
+def test_retries_redo_the_batch_at_a_lower_scale_and_lose_none(jit_compile, steps_per_execution):
+    x, y = _backward_overflow_data()
+    model, history, _ = _fit_with_retries(
+        8, x, y, jit_compile=jit_compile, steps_per_execution=steps_per_execution
+    )
+    optimizer = model.optimizer
+    retried = int(optimizer.counters["retries"])
+    assert int(optimizer.skipped_steps) == 0  # no batch lost
+    assert int(optimizer.iterations) == 6  # every batch applied
+    assert retried >= 1 and history["retried_steps"] == [retried]
+    # Each retry halved the scale once.
+    assert float(optimizer.loss_scale) == 2.0**15 * 0.5**retried
+    # The same weights as a float32 run with no scaling (SGD, exact up to
+    # float16 rounding of the forward pass).
+    kmp.set_policy("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    reference = kmp.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+    reference.compile(keras.optimizers.SGD(1e-4), "mse")
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(
+        np.asarray(model.weights[0]), np.asarray(reference.weights[0]), rtol=2e-2, atol=1e-5
+    )
+
+
+def test_a_forward_overflow_is_never_retried():
+    x, y = _data(poisoned_batches=(2,))
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    # 2**8: no backward overflow on the clean batches, so any retry would be
+    # the poisoned batch's.
+    model.compile(
+        kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**8), "mse",
+        overflow_retries=3,
+    )
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    counters = model.optimizer.counters
+    assert int(counters["retries"]) == 0
+    assert int(model.optimizer.skipped_steps) == 1 and int(counters["forward_overflows"]) == 1
+
+
+def test_overflow_retries_must_be_a_non_negative_integer():
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"`overflow_retries` must be an integer >= 0"):
+            model.compile("sgd", "mse", overflow_retries=bad)
+    model.compile("sgd", "mse", overflow_retries=2)
+    assert model.get_compile_config()["overflow_retries"] == 2
+
+
+def test_overflow_retries_under_a_merge_call_strategy_is_refused_clearly(mirrored_strategy):
+    kmp.set_policy("mixed_float16")
+    x, y = _backward_overflow_data()
+    with mirrored_strategy.scope():
+        inputs = keras.Input((4,))
+        model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(keras.optimizers.SGD(1e-4), "mse", overflow_retries=2)
+    with pytest.raises(ValueError, match="`overflow_retries` needs the train step to run without"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -497,7 +497,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `good_steps` (finite steps since the last growth or skip),
         `hysteresis_left`, `skipped_steps` (never resets),
         `forward_overflows` (skips whose unscaled loss was not finite),
-        `consecutive_skips` and `consecutive_forward_overflows`.
+        `consecutive_skips`, `consecutive_forward_overflows`, and `retries`
+        (overflowing batches that `kmp.Model` redid at a lower scale, see
+        `compile(overflow_retries=...)`; not counted as skips).
         """
         if not self.built:
             values = [self.hysteresis if name == "hysteresis_left" else 0 for name in _COUNTERS]

@@ -101,6 +101,14 @@ def _reporting_scalers(train_step):
 
     @functools.wraps(train_step)
     def train_step_with_scaler_logs(self, data):
+        if getattr(self, "_kmp_overflow_retries", 0) and train_step is not _keras_train_step:
+            raise ValueError(
+                "`overflow_retries` redoes batches in kmp.Model's own train_step; "
+                f"{type(self).__name__} overrides `train_step`, whose metrics and "
+                "optimizers kmp cannot roll back. Compile it with "
+                "overflow_retries=0. Received: overflow_retries="
+                f"{self._kmp_overflow_retries}"
+            )
         with _loss_record.train_step() as applied:
             logs = train_step(self, data)
         if applied and isinstance(logs, dict):
@@ -522,6 +530,7 @@ class Model(keras.Model):
         )
 
 
+_keras_train_step = Model.train_step
 Model.train_step = _reporting_scalers(Model.train_step)
 
 

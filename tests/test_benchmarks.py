@@ -365,3 +365,26 @@ def test_gpu_memory_is_measured_on_a_real_gpu():
     # gradients).
     assert memory["step_peak_mb"] > 0
     assert memory["peak_mb"] > memory["step_peak_mb"]  # the resident part too
+
+
+def test_retries_benchmark_reports_what_its_runs_measured(tmp_path):
+    from benchmarks import retries
+
+    out = tmp_path / "retries.json"
+    result = retries.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    for workload, runs in result["lost"].items():
+        for count, run in runs.items():
+            # Every batch is applied or lost; retries only with retries on.
+            assert run["applied"] + run["skipped"] == run["steps"], (workload, run)
+            assert (run["retried"] > 0) <= (count != "0")
+            # Each retry and each dropped backward overflow halved the scale
+            # (no growth in so few steps); forward overflows would too.
+            assert run["final_loss_scale"] <= 2.0**15
+    # Retries lose no more batches than dropping them.
+    for runs in result["lost"].values():
+        assert runs["3"]["skipped"] <= runs["0"]["skipped"]
+    cost = result["cost"]
+    assert cost["overflows"] == {"0": 0, "3": 0}  # nothing to retry while timed
+    assert cost["median_ratio"] == statistics.median(cost["ratios"])
+    assert len(cost["ratios"]) == cost["rounds"] == 2

@@ -175,3 +175,16 @@ def test_overflow_retries_under_a_merge_call_strategy_is_refused_clearly(mirrore
         model.compile(keras.optimizers.SGD(1e-4), "mse", overflow_retries=2)
     with pytest.raises(ValueError, match="`overflow_retries` needs the train step to run without"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_overflow_retries_with_a_custom_train_step_is_refused_clearly():
+    class Custom(kmp.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((4,))
+    model = Custom(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse", overflow_retries=1)
+    x, y = _data()
+    with pytest.raises(ValueError, match="Custom overrides `train_step`"):
+        model.fit(x, y, verbose=0)

@@ -1,15 +1,11 @@
 """kmp.Model: a keras.Model whose training applies the precision policy."""
 
-import functools
 import numbers
 
 import keras
-import tensorflow as tf
-from keras import ops
 
 from kmp import _keras_internals
-from kmp import _loss_record
-from kmp import _optimizers
+from kmp import _train_step
 from kmp import distribute as distribute_module
 from kmp import export as export_module
 from kmp import loss_scale as loss_scale_module
@@ -19,9 +15,7 @@ from kmp.policy import _to_float32
 
 _LOSS_SCALE_CHOICES = "'auto', 'dynamic', a positive number, or None"
 
-# Log keys that carry kmp.callbacks.LossScaleMonitor's per-step values out of
-# the train function; `make_train_function` removes them from the logs.
-_MONITOR_LOG_PREFIX = "_kmp_monitor_"
+_MONITOR_LOG_PREFIX = _train_step.MONITOR_LOG_PREFIX
 
 
 def _loss_scale_optimizer(optimizer, loss_scale, model):
@@ -94,28 +88,6 @@ def _inject_functional(cls):
         return cls
     cls.__bases__ = tuple(_inject_functional(base) for base in cls.__bases__)
     return cls
-
-
-def _reporting_scalers(train_step):
-    """Wraps a `train_step` so that its logs carry the loss scalers' state."""
-
-    @functools.wraps(train_step)
-    def train_step_with_scaler_logs(self, data):
-        if getattr(self, "_kmp_overflow_retries", 0) and train_step is not _keras_train_step:
-            raise ValueError(
-                "`overflow_retries` redoes batches in kmp.Model's own train_step; "
-                f"{type(self).__name__} overrides `train_step`, whose metrics and "
-                "optimizers kmp cannot roll back. Compile it with "
-                "overflow_retries=0. Received: overflow_retries="
-                f"{self._kmp_overflow_retries}"
-            )
-        with _loss_record.train_step() as applied:
-            logs = train_step(self, data)
-        if applied and isinstance(logs, dict):
-            logs = dict(logs, **self._scaler_logs(applied))
-        return logs
-
-    return train_step_with_scaler_logs
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -283,169 +255,23 @@ class Model(keras.Model):
         # A subclass's own train_step (a GAN's, a VAE's) reports its scalers
         # too, with no change to the user's code.
         if "train_step" in vars(cls):
-            cls.train_step = _reporting_scalers(vars(cls)["train_step"])
+            cls.train_step = _train_step.reporting_scalers(vars(cls)["train_step"])
 
     def train_step(self, data):
-        """Keras' own step, with a skipped step kept out of the epoch's logs.
-
-        Keras' step calls `optimizer.scale_loss(loss)` and
-        `optimizer.apply_gradients`, which is all kmp's scaler needs. Keras
-        would also count a skipped step's loss and metrics (one poisoned
-        batch would make the epoch's loss NaN, and `TerminateOnNaN` or
-        `EarlyStopping` react to a step that never happened): kmp restores
-        the metrics to what they were before a skipped step and counts its
-        loss apart; an epoch in which no step was applied logs the mean loss
-        of its skipped steps.
-        """
-        optimizer = self.optimizer
-        skipped_losses = getattr(self, "_kmp_skipped_losses", None)
-        if (
-            not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
-            or not optimizer.enabled
-            or skipped_losses is None
-        ):
-            return super().train_step(data)
-        retries = getattr(self, "_kmp_overflow_retries", 0)
-        if retries:
-            self._retry_overflows(data, optimizer, retries)
-        else:
-            self._one_attempt(data, optimizer)
-        logs = dict(self.get_metrics_result())
-        if "loss" in logs:
-            logs["loss"] = ops.where(
-                self._loss_tracker.count > 0, logs["loss"], skipped_losses.result()
-            )
-        return logs
-
-    def _one_attempt(self, data, optimizer):
-        """Keras' step on one batch; a skipped step leaves the metrics as they were.
-
-        Returns:
-            `(loss, retry)`: the unscaled loss and whether the optimizer asks
-            for the batch again (`None` without retries).
-        """
-        metric_variables = list(self.metrics_variables)
-        before = [tf.identity(v.value) for v in metric_variables]
-        super().train_step(data)
-        finite = _loss_record.last_finite(optimizer)
-        loss = _loss_record.last_loss(optimizer)
-        retry = _loss_record.last_retry(optimizer)
-        if finite is None or loss is None:
-            return loss, retry
-
-        def forget_skipped_step():
-            for variable, value in zip(metric_variables, before):
-                variable.assign(value)
-            # A batch to be retried is not lost: only a dropped one's loss counts.
-            dropped = ops.convert_to_tensor(True) if retry is None else ops.logical_not(retry)
-            self._kmp_skipped_losses.update_state(
-                ops.cast(loss, "float32") * self.distribute_strategy.num_replicas_in_sync,
-                sample_weight=ops.cast(dropped, "float32"),
-            )
-
-        ops.cond(finite, lambda: None, forget_skipped_step)
-        return loss, retry
-
-    def _retry_overflows(self, data, optimizer, retries):
-        """Redoes a batch whose gradients overflowed, at a lower scale.
-
-        ```
-        attempt = 0
-        do:
-            loss, retry = one attempt, `retries - attempt` retries left
-            attempt += 1
-        while retry   # the gradients overflowed, the loss did not, and
-                      # retries were left: the scale was backed off
-        ```
-
-        A `tf.while_loop` that runs once when nothing overflows. Under a
-        strategy every replica takes the same decision (on all-reduced
-        gradients), so all retry together.
-        """
-        if not tf.__internal__.distribute.strategy_supports_no_merge_call():
-            raise ValueError(
-                "`overflow_retries` needs the train step to run without "
-                "`merge_call`: no strategy, OneDeviceStrategy, or MirroredStrategy "
-                "on GPUs with `jit_compile=True`. This strategy "
-                f"({type(self.distribute_strategy).__name__}) synchronizes through "
-                "merge_call, which TensorFlow refuses inside the retry loop. "
-                "Received: overflow_retries=" f"{retries}"
-            )
-
-        def attempt(count, retry, loss):
-            with _loss_record.retrying(optimizer, retries - count):
-                new_loss, new_retry = self._one_attempt(data, optimizer)
-            return count + 1, new_retry, ops.cast(new_loss, "float32")
-
-        count, _, loss = tf.while_loop(
-            lambda count, retry, loss: retry,
-            attempt,
-            (ops.convert_to_tensor(0), ops.convert_to_tensor(True), ops.convert_to_tensor(0.0)),
-        )
-        # The loss of the attempt that counted, for the monitor's logs.
-        _loss_record.set_last_loss(optimizer, loss)
+        """Keras' own step, with a skipped step kept out of the epoch's logs
+        and, with `overflow_retries`, an overflowing batch redone (see
+        `kmp._train_step`)."""
+        return _train_step.run_train_step(self, data, super().train_step)
 
     def reset_metrics(self):
         super().reset_metrics()
         if getattr(self, "_kmp_skipped_losses", None) is not None:
             self._kmp_skipped_losses.reset_state()
 
-    def _scaler_logs(self, applied):
-        """The logs of the loss scalers that applied in a train step.
-
-        One scaler: `loss_scale` and `skipped_steps` (plus the monitor's
-        per-step values while one watches). Several (a GAN's): each named
-        after its attribute, `d_optimizer_loss_scale`, ...
-        """
-        names = {id(opt): name for name, opt in _optimizers.scaling_optimizers(self).items()}
-        scalers = [
-            opt for opt in applied if isinstance(opt, loss_scale_module.LossScaleOptimizer)
-        ]
-        logs = {}
-        for optimizer in scalers:
-            prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
-            logs[prefix + "loss_scale"] = optimizer.loss_scale
-            logs[prefix + "skipped_steps"] = optimizer.skipped_steps
-            if getattr(self, "_kmp_overflow_retries", 0):
-                logs[prefix + "retried_steps"] = optimizer.counters["retries"]
-        loss = _loss_record.last_loss(scalers[0]) if len(scalers) == 1 else None
-        if (
-            loss is not None
-            and scalers[0]._monitored
-            and self.distribute_strategy.num_replicas_in_sync == 1
-        ):
-            # For kmp.callbacks.LossScaleMonitor, and only while one watches:
-            # returned with the step's outputs (no extra device round trip),
-            # then taken out of the logs by `make_train_function` before any
-            # callback sees them. Not with several replicas: Keras would
-            # all-reduce each of them, and collectives of different shapes
-            # can be ordered differently on each replica; the monitor reads
-            # the optimizer instead.
-            counters, nonfinite_gradients = scalers[0]._monitor_state()
-            logs[_MONITOR_LOG_PREFIX + "counters"] = counters
-            logs[_MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
-            logs[_MONITOR_LOG_PREFIX + "loss"] = ops.cast(loss, "float32")
-        return logs
-
-    def _wrap_optimizers(self):
-        """Makes every optimizer the model holds a kmp.LossScaleOptimizer.
-
-        `compile` wraps `optimizer`; a GAN's `d_optimizer` and
-        `g_optimizer`, set by its own `compile`, are wrapped here, before
-        the first step is traced, by the same rule (`loss_scale`).
-        """
-        loss_scale = getattr(self, "_kmp_loss_scale", "auto")
-        for name, optimizer in _optimizers.optimizers_by_attribute(self).items():
-            if name == "optimizer" or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-                continue
-            wrapped = _loss_scale_optimizer(optimizer, loss_scale, self)
-            if wrapped is not optimizer:
-                setattr(self, name, wrapped)
-
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        self._wrap_optimizers()
+        _train_step.wrap_optimizers(self, _loss_scale_optimizer)
         if distribute_module.is_multi_worker(self.distribute_strategy):
             # Keras' own train function fails across workers.
             self.train_function = distribute_module.make_multi_worker_function(
@@ -530,8 +356,7 @@ class Model(keras.Model):
         )
 
 
-_keras_train_step = Model.train_step
-Model.train_step = _reporting_scalers(Model.train_step)
+Model.train_step = _train_step.reporting_scalers(Model.train_step, own=True)
 
 
 @keras.saving.register_keras_serializable(package="kmp", name="FunctionalModel")

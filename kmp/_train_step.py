@@ -1,0 +1,209 @@
+"""kmp.Model's train step: what kmp adds around Keras' own.
+
+- `reporting_scalers` wraps kmp.Model's `train_step` and every subclass's
+  own (a GAN's, a VAE's): the logs carry each loss scaler that applied
+  (`loss_scale`, `skipped_steps`; `d_optimizer_loss_scale`, ... for several).
+- `run_train_step` runs Keras' step so that a skipped step's loss and metrics
+  stay out of the epoch's logs, and, with `overflow_retries`, redoes a batch
+  whose gradients overflowed at a lower scale.
+- `wrap_optimizers` makes every optimizer a model holds a loss scaler before
+  the first step is traced.
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from kmp import _loss_record
+from kmp import _optimizers
+from kmp import loss_scale as loss_scale_module
+
+# Log keys that carry kmp.callbacks.LossScaleMonitor's per-step values out of
+# the train function; kmp.Model's `make_train_function` removes them.
+MONITOR_LOG_PREFIX = "_kmp_monitor_"
+
+
+def reporting_scalers(train_step, own=False):
+    """Wraps a `train_step` so that its logs carry the loss scalers' state.
+
+    Args:
+        train_step: The function: kmp.Model's own (`own=True`) or a
+            subclass's.
+        own: Bool. Whether it is kmp.Model's own, where `overflow_retries`
+            applies.
+    """
+
+    @functools.wraps(train_step)
+    def train_step_with_scaler_logs(self, data):
+        if getattr(self, "_kmp_overflow_retries", 0) and not own:
+            raise ValueError(
+                "`overflow_retries` redoes batches in kmp.Model's own train_step; "
+                f"{type(self).__name__} overrides `train_step`, whose metrics and "
+                "optimizers kmp cannot roll back. Compile it with "
+                "overflow_retries=0. Received: overflow_retries="
+                f"{self._kmp_overflow_retries}"
+            )
+        with _loss_record.train_step() as applied:
+            logs = train_step(self, data)
+        if applied and isinstance(logs, dict):
+            logs = dict(logs, **scaler_logs(self, applied))
+        return logs
+
+    return train_step_with_scaler_logs
+
+
+def run_train_step(model, data, keras_train_step):
+    """Keras' own step (`keras_train_step`), with a skipped step kept out of
+    the epoch's logs.
+
+    Keras' step calls `optimizer.scale_loss(loss)` and
+    `optimizer.apply_gradients`, which is all kmp's scaler needs. Keras
+    would also count a skipped step's loss and metrics (one poisoned
+    batch would make the epoch's loss NaN, and `TerminateOnNaN` or
+    `EarlyStopping` react to a step that never happened): kmp restores
+    the metrics to what they were before a skipped step and counts its
+    loss apart; an epoch in which no step was applied logs the mean loss
+    of its skipped steps.
+    """
+    optimizer = model.optimizer
+    skipped_losses = getattr(model, "_kmp_skipped_losses", None)
+    if (
+        not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
+        or not optimizer.enabled
+        or skipped_losses is None
+    ):
+        return keras_train_step(data)
+    retries = getattr(model, "_kmp_overflow_retries", 0)
+    if retries:
+        _retry_overflows(model, data, optimizer, retries, keras_train_step)
+    else:
+        _one_attempt(model, data, optimizer, keras_train_step)
+    logs = dict(model.get_metrics_result())
+    if "loss" in logs:
+        logs["loss"] = ops.where(
+            model._loss_tracker.count > 0, logs["loss"], skipped_losses.result()
+        )
+    return logs
+
+def _one_attempt(model, data, optimizer, keras_train_step):
+    """Keras' step on one batch; a skipped step leaves the metrics as they were.
+
+    Returns:
+        `(loss, retry)`: the unscaled loss and whether the optimizer asks
+        for the batch again (`None` without retries).
+    """
+    metric_variables = list(model.metrics_variables)
+    before = [tf.identity(v.value) for v in metric_variables]
+    keras_train_step(data)
+    finite = _loss_record.last_finite(optimizer)
+    loss = _loss_record.last_loss(optimizer)
+    retry = _loss_record.last_retry(optimizer)
+    if finite is None or loss is None:
+        return loss, retry
+
+    def forget_skipped_step():
+        for variable, value in zip(metric_variables, before):
+            variable.assign(value)
+        # A batch to be retried is not lost: only a dropped one's loss counts.
+        dropped = ops.convert_to_tensor(True) if retry is None else ops.logical_not(retry)
+        model._kmp_skipped_losses.update_state(
+            ops.cast(loss, "float32") * model.distribute_strategy.num_replicas_in_sync,
+            sample_weight=ops.cast(dropped, "float32"),
+        )
+
+    ops.cond(finite, lambda: None, forget_skipped_step)
+    return loss, retry
+
+def _retry_overflows(model, data, optimizer, retries, keras_train_step):
+    """Redoes a batch whose gradients overflowed, at a lower scale.
+
+    ```
+    attempt = 0
+    do:
+        loss, retry = one attempt, `retries - attempt` retries left
+        attempt += 1
+    while retry   # the gradients overflowed, the loss did not, and
+                  # retries were left: the scale was backed off
+    ```
+
+    A `tf.while_loop` that runs once when nothing overflows. Under a
+    strategy every replica takes the same decision (on all-reduced
+    gradients), so all retry together.
+    """
+    if not tf.__internal__.distribute.strategy_supports_no_merge_call():
+        raise ValueError(
+            "`overflow_retries` needs the train step to run without "
+            "`merge_call`: no strategy, OneDeviceStrategy, or MirroredStrategy "
+            "on GPUs with `jit_compile=True`. This strategy "
+            f"({type(model.distribute_strategy).__name__}) synchronizes through "
+            "merge_call, which TensorFlow refuses inside the retry loop. "
+            "Received: overflow_retries=" f"{retries}"
+        )
+
+    def attempt(count, retry, loss):
+        with _loss_record.retrying(optimizer, retries - count):
+            new_loss, new_retry = _one_attempt(model, data, optimizer, keras_train_step)
+        return count + 1, new_retry, ops.cast(new_loss, "float32")
+
+    count, _, loss = tf.while_loop(
+        lambda count, retry, loss: retry,
+        attempt,
+        (ops.convert_to_tensor(0), ops.convert_to_tensor(True), ops.convert_to_tensor(0.0)),
+    )
+    # The loss of the attempt that counted, for the monitor's logs.
+    _loss_record.set_last_loss(optimizer, loss)
+
+
+def scaler_logs(model, applied):
+    """The logs of the loss scalers that applied in a train step.
+
+    One scaler: `loss_scale` and `skipped_steps` (plus the monitor's
+    per-step values while one watches). Several (a GAN's): each named
+    after its attribute, `d_optimizer_loss_scale`, ...
+    """
+    names = {id(opt): name for name, opt in _optimizers.scaling_optimizers(model).items()}
+    scalers = [
+        opt for opt in applied if isinstance(opt, loss_scale_module.LossScaleOptimizer)
+    ]
+    logs = {}
+    for optimizer in scalers:
+        prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
+        logs[prefix + "loss_scale"] = optimizer.loss_scale
+        logs[prefix + "skipped_steps"] = optimizer.skipped_steps
+        if getattr(model, "_kmp_overflow_retries", 0):
+            logs[prefix + "retried_steps"] = optimizer.counters["retries"]
+    loss = _loss_record.last_loss(scalers[0]) if len(scalers) == 1 else None
+    if (
+        loss is not None
+        and scalers[0]._monitored
+        and model.distribute_strategy.num_replicas_in_sync == 1
+    ):
+        # For kmp.callbacks.LossScaleMonitor, and only while one watches:
+        # returned with the step's outputs (no extra device round trip),
+        # then taken out of the logs by `make_train_function` before any
+        # callback sees them. Not with several replicas: Keras would
+        # all-reduce each of them, and collectives of different shapes
+        # can be ordered differently on each replica; the monitor reads
+        # the optimizer instead.
+        counters, nonfinite_gradients = scalers[0]._monitor_state()
+        logs[MONITOR_LOG_PREFIX + "counters"] = counters
+        logs[MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
+        logs[MONITOR_LOG_PREFIX + "loss"] = ops.cast(loss, "float32")
+    return logs
+
+def wrap_optimizers(model, loss_scale_optimizer):
+    """Makes every optimizer the model holds a kmp.LossScaleOptimizer.
+
+    `compile` wraps `optimizer`; a GAN's `d_optimizer` and
+    `g_optimizer`, set by its own `compile`, are wrapped here, before
+    the first step is traced, by the same rule (`loss_scale`).
+    """
+    loss_scale = getattr(model, "_kmp_loss_scale", "auto")
+    for name, optimizer in _optimizers.optimizers_by_attribute(model).items():
+        if name == "optimizer" or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            continue
+        wrapped = loss_scale_optimizer(optimizer, loss_scale, model)
+        if wrapped is not optimizer:
+            setattr(model, name, wrapped)

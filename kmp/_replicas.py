@@ -23,6 +23,8 @@ import threading
 
 import tensorflow as tf
 
+from kmp import _gradients
+
 
 class _InReplica:
     """Per-replica work runs inline; values are this replica's own."""
@@ -176,3 +178,37 @@ def apply_reduced(optimizer, grads, variables):
         optimizer.apply(grads, variables)
     finally:
         _already_reduced.active = False
+
+
+def apply_unscaled(optimizer, grads, variables, *, divisor, summed, keep, clipping):
+    """Unscales, clips and applies one replica's gradients with `optimizer`.
+
+    Args:
+        optimizer: The inner optimizer.
+        grads: This replica's gradients: summed over replicas already
+            (`summed`), or its own (the inner optimizer sums them).
+        variables: The variables they belong to.
+        divisor: The loss scale to divide by, or `None` when the gradients
+            are unscaled already (or were never scaled).
+        summed: Bool. Whether `grads` are sums over replicas.
+        keep: List of booleans: gradients to leave undivided (see
+            `kmp._gradients.divide`).
+        clipping: Dict of `clipvalue`, `clipnorm`, `global_clipnorm`.
+    """
+    replicas = num_replicas() if summed else 1
+    pass_through = replicas > 1 and can_skip_all_reduce(optimizer)
+    if pass_through:
+        replicas = 1  # the inner optimizer will not sum again
+    clips = any(value is not None for value in clipping.values())
+    if divisor is not None:
+        # Without clipping one division unscales and, where the inner
+        # optimizer sums over replicas again, averages over them too.
+        grads = _gradients.divide(grads, divisor * (1 if clips else replicas), keep)
+        replicas = replicas if clips else 1
+    grads = _gradients.clip_gradients(grads, **clipping)
+    if replicas > 1:
+        grads = _gradients.divide(grads, replicas)
+    if pass_through:
+        apply_reduced(optimizer, grads, variables)
+    else:
+        optimizer.apply(grads, variables)

@@ -183,7 +183,7 @@ _RULE_SETTINGS = ("dynamic", "growth_factor", "backoff_factor", "growth_interval
                   "hysteresis", "min_scale", "max_scale")
 
 
-def _next_state(loss_scale, counters, decision, rule):
+def _next_state(loss_scale_before, counters, decision, rule):
     """The scale and every counter after one step (a pure function).
 
     `update_loss_scale` for the rule's state, plus the diagnostics the
@@ -196,38 +196,38 @@ def _next_state(loss_scale, counters, decision, rule):
         scalars keyed by `_COUNTERS`.
     """
     state = update_loss_scale(
-        LossScaleState(loss_scale, counters["good_steps"], counters["hysteresis_left"],
+        LossScaleState(loss_scale_before, counters["good_steps"], counters["hysteresis_left"],
                        counters["skipped_steps"]),
         decision.finite,
         **rule,
     )
     skipped = ops.logical_not(ops.cast(decision.finite, "bool"))
     forward = ops.logical_and(skipped, ops.logical_not(decision.loss_finite))
-    retry = ops.convert_to_tensor(False) if decision.retry is None else decision.retry
-    # A retried batch is not dropped: no skip is counted, and the scale backs
-    # off at once (whatever hysteresis is left) so that the retry can pass.
-    skipped_steps = ops.where(retry, counters["skipped_steps"], state.skipped_steps)
-    loss_scale = ops.where(
-        retry,
-        ops.maximum(loss_scale * rule["backoff_factor"], rule["min_scale"]),
-        state.loss_scale,
-    )
-    dropped = ops.logical_and(skipped, ops.logical_not(retry))
-    counters = dict(
+    new = dict(
         counters,
         good_steps=state.good_steps,
-        hysteresis_left=ops.where(retry, counters["hysteresis_left"], state.hysteresis_left),
-        skipped_steps=skipped_steps,
+        hysteresis_left=state.hysteresis_left,
+        skipped_steps=state.skipped_steps,
         forward_overflows=counters["forward_overflows"] + ops.cast(forward, "int64"),
-        consecutive_skips=ops.where(
-            dropped, counters["consecutive_skips"] + 1,
-            ops.where(retry, counters["consecutive_skips"], 0),
-        ),
+        consecutive_skips=ops.where(skipped, counters["consecutive_skips"] + 1, 0),
         consecutive_forward_overflows=ops.where(
             forward, counters["consecutive_forward_overflows"] + 1, 0
         ),
-        retries=counters["retries"] + ops.cast(retry, "int64"),
     )
+    loss_scale = state.loss_scale
+    if decision.retry is not None:
+        # A retried batch is not dropped: no skip is counted, hysteresis is
+        # left as it was, and the scale backs off at once so that the retry
+        # can pass.
+        for name in ("skipped_steps", "hysteresis_left", "consecutive_skips"):
+            new[name] = ops.where(decision.retry, counters[name], new[name])
+        new["retries"] = counters["retries"] + ops.cast(decision.retry, "int64")
+        loss_scale = ops.where(
+            decision.retry,
+            ops.maximum(loss_scale_before * rule["backoff_factor"], rule["min_scale"]),
+            loss_scale,
+        )
+    counters = new
     return (
         ops.cast(loss_scale, "float32"),
         {name: ops.cast(v, "int64") for name, v in counters.items()},
@@ -661,29 +661,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _apply_unscaled(self, grads, variables, divisor, reduced):
         """Per replica, in the branch that applies: unscale, clip, apply."""
-        inner = self.inner_optimizer
-        replicas = _replicas.num_replicas() if reduced else 1
-        pass_through = replicas > 1 and _replicas.can_skip_all_reduce(inner)
-        if pass_through:
-            replicas = 1  # the inner optimizer will not sum again
-        clipping = (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None,) * 3
-        if divisor is not None:
-            # Without clipping one division unscales and, where the inner
-            # optimizer sums over replicas again, averages over them too.
-            grads = _gradients.divide(
-                grads, divisor * (1 if clipping else replicas), self._kept(variables)
-            )
-            replicas = replicas if clipping else 1
-        grads = _gradients.clip_gradients(
-            grads, clipvalue=self.clipvalue, clipnorm=self.clipnorm,
-            global_clipnorm=self.global_clipnorm,
+        _replicas.apply_unscaled(
+            self.inner_optimizer, grads, variables, divisor=divisor, summed=reduced,
+            keep=self._kept(variables),
+            clipping=dict(clipvalue=self.clipvalue, clipnorm=self.clipnorm,
+                          global_clipnorm=self.global_clipnorm),
         )
-        if replicas > 1:
-            grads = _gradients.divide(grads, replicas)
-        if pass_through:
-            _replicas.apply_reduced(inner, grads, variables)
-        else:
-            inner.apply(grads, variables)
 
     def _update_state(self, decision):
         """The scaling rule and the counters, after one (applied or skipped) step."""

@@ -103,18 +103,22 @@ def _one_attempt(model, data, optimizer, keras_train_step):
     if finite is None or loss is None:
         return loss, retry
 
-    def forget_skipped_step():
-        for variable, value in zip(metric_variables, before):
-            variable.assign(value)
-        # A batch to be retried is not lost: only a dropped one's loss counts.
-        dropped = ops.convert_to_tensor(True) if retry is None else ops.logical_not(retry)
-        model._kmp_skipped_losses.update_state(
-            ops.cast(loss, "float32") * model.distribute_strategy.num_replicas_in_sync,
-            sample_weight=ops.cast(dropped, "float32"),
-        )
-
-    ops.cond(finite, lambda: None, forget_skipped_step)
+    # Selects, not a cond: on a CPU a cond costs more than a few scalar
+    # assigns, and the metric variables are a handful of scalars.
+    finite = ops.cast(finite, "bool")
+    for variable, value in zip(metric_variables, before):
+        variable.assign(ops.where(finite, variable.value, value))
+    # Only a dropped batch's loss counts as lost (not one about to be retried).
+    dropped = ops.logical_not(finite)
+    if retry is not None:
+        dropped = ops.logical_and(dropped, ops.logical_not(retry))
+    model._kmp_skipped_losses.update_state(
+        ops.where(dropped, ops.cast(loss, "float32"), 0.0)
+        * model.distribute_strategy.num_replicas_in_sync,
+        sample_weight=ops.cast(dropped, "float32"),
+    )
     return loss, retry
+
 
 def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     """Redoes a batch whose gradients overflowed, at a lower scale.

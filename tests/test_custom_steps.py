@@ -126,39 +126,48 @@ def test_gan_code_unchanged_is_never_divided_and_warns_once_per_optimizer():
     assert history["d_optimizer_skipped_steps"] == [0]
 
 
-class _VAE(kmp.Model):
-    """keras.io's VAE shape: its own train_step on `self.optimizer`."""
+def _vae_class(base):
+    class VAE(base):
+        """keras.io's VAE shape: its own train_step on `self.optimizer`."""
 
-    def __init__(self, scaled, **kwargs):
-        super().__init__(**kwargs)
-        self.scaled = scaled
-        self.encoder = _mlp(_FEATURES, 2 * _LATENT, "encoder")
-        self.decoder = _mlp(_LATENT, _FEATURES, "decoder")
+        def __init__(self, scaled, **kwargs):
+            super().__init__(**kwargs)
+            self.scaled = scaled
+            self.encoder = _mlp(_FEATURES, 2 * _LATENT, "encoder")
+            self.decoder = _mlp(_LATENT, _FEATURES, "decoder")
 
-    def call(self, x):
-        return self.decoder(self.encoder(x)[:, :_LATENT])
+        def call(self, x):
+            return self.decoder(self.encoder(x)[:, :_LATENT])
 
-    def train_step(self, data):
-        with tf.GradientTape() as tape:
-            encoded = ops.cast(self.encoder(data), "float32")
-            mean, log_var = encoded[:, :_LATENT], encoded[:, _LATENT:]
-            reconstruction = ops.cast(self.decoder(mean), "float32")
-            loss = ops.mean(ops.sum(ops.square(data - reconstruction), axis=1)) - 0.5 * ops.mean(
-                ops.sum(1 + log_var - ops.square(mean) - ops.exp(log_var), axis=1)
-            )
-            if self.scaled:
-                loss = self.optimizer.scale_loss(loss)
-        grads = tape.gradient(loss, self.trainable_weights)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
-        return {"loss": loss}
+        def train_step(self, data):
+            with tf.GradientTape() as tape:
+                encoded = ops.cast(self.encoder(data), "float32")
+                mean, log_var = encoded[:, :_LATENT], encoded[:, _LATENT:]
+                reconstruction = ops.cast(self.decoder(mean), "float32")
+                loss = ops.mean(ops.sum(ops.square(data - reconstruction), axis=1)) - 0.5 * ops.mean(
+                    ops.sum(1 + log_var - ops.square(mean) - ops.exp(log_var), axis=1)
+                )
+                scaled_loss = self.optimizer.scale_loss(loss) if self.scaled else loss
+            grads = tape.gradient(scaled_loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            return {"vae_loss": loss}
+
+    return VAE
 
 
-def _train_vae(scaled, loss_scale):
+_VAE = _vae_class(kmp.Model)
+
+
+def _train_vae(scaled, loss_scale, keras_recipe=False, data_scale=1.0, learning_rate=0.01):
     kmp.set_policy("mixed_float16")
     keras.utils.set_random_seed(0)
-    vae = _VAE(scaled)
-    vae.compile(keras.optimizers.SGD(0.01), loss_scale=loss_scale)
-    x = np.random.default_rng(1).normal(size=(32, _FEATURES)).astype("float32")
+    if keras_recipe:
+        vae = _vae_class(keras.Model)(scaled)
+        vae.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(learning_rate)))
+    else:
+        vae = _VAE(scaled)
+        vae.compile(keras.optimizers.SGD(learning_rate), loss_scale=loss_scale)
+    x = data_scale * np.random.default_rng(1).normal(size=(32, _FEATURES)).astype("float32")
     history = vae.fit(x, batch_size=8, epochs=1, shuffle=False, verbose=0).history
     return vae, history
 
@@ -179,6 +188,22 @@ def test_vae_with_one_line_is_scaled_and_reported():
     assert isinstance(vae.optimizer, kmp.LossScaleOptimizer)
     assert history["skipped_steps"] == [int(vae.optimizer.skipped_steps)]
     assert int(vae.optimizer.iterations) + int(vae.optimizer.skipped_steps) == 4
+
+
+def test_vae_with_one_line_matches_keras_own_scaler_recipe():
+    # Large inputs: a loss in the thousands, so 2**15 overflows at first and
+    # both scalers back off alike.
+    vae, history = _train_vae(scaled=True, loss_scale="auto", data_scale=60.0,
+                              learning_rate=1e-5)
+    reference, reference_history = _train_vae(scaled=True, loss_scale=None, keras_recipe=True,
+                                              data_scale=60.0, learning_rate=1e-5)
+    skipped = int(vae.optimizer.skipped_steps)
+    assert skipped >= 1 and history["skipped_steps"] == [skipped]
+    assert float(vae.optimizer.loss_scale) == float(reference.optimizer.dynamic_scale)
+    assert np.all(np.isfinite(history["vae_loss"]))
+    np.testing.assert_allclose(history["vae_loss"], reference_history["vae_loss"], rtol=1e-6)
+    for mine, theirs in zip(vae.weights, reference.weights):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -78,6 +78,39 @@ def skipped_in_fit(skipped, steps, scale):
     )
 
 
+def skipped_in_fit_by_optimizer(counts):
+    """The end-of-fit line for several optimizers.
+
+    Args:
+        counts: List of `(name, skipped, steps, scale)`, one per optimizer
+            that took steps in the fit.
+    """
+    parts = "; ".join(
+        f"{name} skipped {skipped} of {steps} (loss scale now {format_scale(scale)})"
+        for name, skipped, steps, scale in counts
+    )
+    return (
+        "kmp: training steps were skipped because their gradients were not "
+        f"finite: {parts}. Add kmp.callbacks.LossScaleMonitor() to the "
+        "callbacks to see which steps and why."
+    )
+
+
+def for_optimizer(name, text):
+    """`text` about one of several optimizers: its attribute name comes first,
+    after the speaker (`LossScaleMonitor: `) when there is one.
+
+    >>> for_optimizer("d_optimizer", "epoch 1: 0 of 4 steps skipped")
+    'd_optimizer: epoch 1: 0 of 4 steps skipped'
+    >>> for_optimizer("d_optimizer", "LossScaleMonitor: stopping training")
+    'LossScaleMonitor: d_optimizer: stopping training'
+    """
+    speaker = "LossScaleMonitor: "
+    if text.startswith(speaker):
+        return f"{speaker}{name}: {text[len(speaker):]}"
+    return f"{name}: {text}"
+
+
 def epoch_line(summary):
     """`epoch 3: 12 of 500 steps skipped (2.4%: 12 backward, 0 forward), loss
     scale 32768 -> 65536 (min 16384, max 65536)`."""

@@ -29,6 +29,8 @@ from kmp import loss_scale as loss_scale_module
 from kmp._format import format_scale
 from kmp._ledger import Ledger
 from kmp._monitor_plot import write_plot
+from kmp._optimizers import optimizers_by_attribute
+from kmp._optimizers import scaling_optimizers
 from kmp.checkpoint import BackupAndRestore
 from kmp.checkpoint import ModelCheckpoint
 
@@ -93,14 +95,6 @@ def _readable_logs(logs):
     return logs
 
 
-def _scaling_optimizer(model):
-    """The model's `kmp.LossScaleOptimizer`, or `None` when it does not scale."""
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
-        return optimizer
-    return None
-
-
 def _read_counters(optimizer):
     """Host read of `[step, skipped, forward, consecutive, consecutive_forward]`."""
     if not optimizer.built:
@@ -114,7 +108,9 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
 
     `kmp.Model.fit` uses it in place of Keras' default one. Unless a
     `LossScaleMonitor` reports skips already (`report_skips=False`), it
-    prints one line at the end of fit when any step of that fit was skipped.
+    prints one line at the end of fit when any step of that fit was skipped;
+    when the model holds several scaling optimizers, the line gives each
+    one that took steps by its attribute name.
     """
 
     # Like Keras' own progress bar, it may run in Keras' callback thread.
@@ -123,13 +119,18 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
     def __init__(self, report_skips=True):
         super().__init__()
         self.report_skips = report_skips
-        self._counters_at_start = None
+        self._counters_at_start = {}
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        optimizer = _scaling_optimizer(self.model)
-        if self.report_skips and optimizer is not None:
-            self._counters_at_start = _read_counters(optimizer)
+        self._counters_at_start = {}
+        if self.report_skips:
+            # An optimizer not built yet has taken no step: its zeros are
+            # right even if the first step builds it.
+            self._counters_at_start = {
+                name: (optimizer, _read_counters(optimizer))
+                for name, optimizer in scaling_optimizers(self.model).items()
+            }
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
@@ -149,14 +150,22 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
         super().on_epoch_end(epoch, _readable_logs(logs))
 
     def on_train_end(self, logs=None):
-        optimizer = _scaling_optimizer(self.model)
-        if not self.verbose or self._counters_at_start is None or optimizer is None:
+        if not self.verbose:
             return
-        steps, skipped = (_read_counters(optimizer) - self._counters_at_start)[:2]
-        if skipped > 0:
-            _keras_internals.print_msg(
-                messages.skipped_in_fit(skipped, steps, optimizer.loss_scale)
-            )
+        counts = []
+        for name, (optimizer, at_start) in self._counters_at_start.items():
+            steps, skipped = (_read_counters(optimizer) - at_start)[:2]
+            counts.append((name, int(skipped), int(steps), optimizer.loss_scale))
+        if not any(skipped > 0 for _, skipped, _, _ in counts):
+            return
+        if len(counts) == 1:
+            _, skipped, steps, scale = counts[0]
+            _keras_internals.print_msg(messages.skipped_in_fit(skipped, steps, scale))
+        else:
+            # Only those that took steps: a GAN's compile makes a default
+            # optimizer that its train_step never uses.
+            used = [count for count in counts if count[2] > 0]
+            _keras_internals.print_msg(messages.skipped_in_fit_by_optimizer(used))
 
 
 def _has_monitor(callbacks):
@@ -168,19 +177,23 @@ def _has_monitor(callbacks):
     )
 
 
-def _watch_optimizer(model, monitored):
-    """Turns the optimizer's per-step monitor outputs on or off.
+def _watch_optimizer(model, monitored, optimizers=()):
+    """Turns the per-step monitor outputs of the model's optimizers on or off.
 
     A step records which variables overflowed, and `kmp.Model` returns the
     monitor's values with its logs, only while a `LossScaleMonitor` watches:
-    without one, a step does no more than the scaling itself. A change
+    without one, a step does no more than the scaling itself. Every
+    `kmp.LossScaleOptimizer` the model holds as an attribute is switched
+    (a GAN's `d_optimizer` and `g_optimizer` too, built or not: the flag is
+    read when the step is traced), and so are `optimizers`. A change
     retraces the train function.
     """
-    optimizer = _scaling_optimizer(model)
-    if optimizer is None or optimizer._monitored == monitored:
-        return
-    optimizer._monitored = monitored
-    if getattr(model, "train_function", None) is not None:
+    found = list(scaling_optimizers(model).values())
+    found += [o for o in optimizers if all(o is not seen for seen in found)]
+    changed = [o for o in found if o._monitored != monitored]
+    for optimizer in changed:
+        optimizer._monitored = monitored
+    if changed and getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)
 
 
@@ -235,24 +248,129 @@ def _check_monitor_arguments(max_consecutive_skips, warn_skip_rate, csv_path, pl
         raise ValueError(f"`verbose` must be an integer >= 0. Received: verbose={verbose!r}")
 
 
-def _read_step(model, optimizer, logs):
+_OPTIMIZERS_RULE = (
+    "`optimizers` must be None (every kmp.LossScaleOptimizer the model holds) "
+    "or a list of the model's optimizer attribute names (str) or "
+    "kmp.LossScaleOptimizer instances"
+)
+
+
+def _check_optimizers(optimizers):
+    """`LossScaleMonitor(optimizers=...)` as a tuple (or `None`), or the error."""
+    if optimizers is None:
+        return None
+    if isinstance(optimizers, (str, keras.optimizers.Optimizer)):
+        shown = repr(optimizers) if isinstance(optimizers, str) else "model.g_optimizer"
+        raise TypeError(
+            f"{_OPTIMIZERS_RULE}. Received: optimizers={optimizers!r}. For one "
+            f"optimizer pass a list: optimizers=[{shown}]"
+        )
+    if not isinstance(optimizers, (list, tuple)):
+        raise TypeError(
+            f"{_OPTIMIZERS_RULE}. Received: optimizers={optimizers!r} of type "
+            f"{type(optimizers).__name__}"
+        )
+    if not optimizers:
+        raise ValueError(
+            f"{_OPTIMIZERS_RULE}; an empty list would watch nothing. "
+            "Received: optimizers=[]"
+        )
+    wrong = [
+        item for item in optimizers
+        if not isinstance(item, (str, loss_scale_module.LossScaleOptimizer))
+    ]
+    if wrong:
+        raise TypeError(
+            f"{_OPTIMIZERS_RULE}; another optimizer does not scale the loss, so "
+            f"it never skips a step. Received: optimizers={list(optimizers)!r}, "
+            f"with {wrong!r} neither"
+        )
+    repeated = [item for i, item in enumerate(optimizers) if item in optimizers[:i]]
+    if repeated:
+        raise ValueError(
+            f"{_OPTIMIZERS_RULE}, each at most once. Received: "
+            f"optimizers={list(optimizers)!r}, repeating {repeated!r}"
+        )
+    return tuple(optimizers)
+
+
+def _resolve_optimizers(model, selection):
+    """The optimizers a monitor watches, by name (their model attribute name).
+
+    Args:
+        model: The `keras.Model` being trained.
+        selection: `None` (every `kmp.LossScaleOptimizer` of the model) or
+            the checked `optimizers` argument.
+
+    Raises:
+        ValueError: if a name in `selection` is not an attribute of the
+            model holding a `kmp.LossScaleOptimizer`.
+    """
+    if selection is None:
+        return scaling_optimizers(model)
+    by_attribute = optimizers_by_attribute(model)
+    found = {}
+    for item in selection:
+        if not isinstance(item, str):
+            name = next((n for n, o in by_attribute.items() if o is item), None)
+            if name is None:
+                # Not held by the model: its own name, made unique.
+                name, number = item.name, 1
+                while name in found or name in by_attribute:
+                    name, number = f"{item.name}_{number}", number + 1
+            found[name] = item
+            continue
+        optimizer = by_attribute.get(item)
+        if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
+            what = (
+                "the model has no optimizer attribute of that name"
+                if optimizer is None
+                else f"it is a {type(optimizer).__name__}, which does not scale the loss"
+            )
+            raise ValueError(
+                f"LossScaleMonitor cannot watch {item!r}: {what}. The model's "
+                f"kmp.LossScaleOptimizer attributes: {sorted(scaling_optimizers(model))}. "
+                f"Received: optimizers={list(selection)!r}"
+            )
+        found[item] = optimizer
+    return found
+
+
+def _loss_log(name):
+    """The log key of an optimizer's loss: `d_loss` for `d_optimizer`, else `loss`."""
+    if name.endswith("optimizer") and name != "optimizer":
+        return name[: -len("optimizer")] + "loss"
+    return "loss"
+
+
+def _path_for(path, name):
+    """`path` for one of several optimizers: `steps.csv` -> `steps.d_optimizer.csv`."""
+    if path is None or name is None:
+        return path
+    root, extension = os.path.splitext(path)
+    return f"{root}.{name}{extension}"
+
+
+def _read_step(model, optimizer, logs, loss_log="loss"):
     """Returns `(counters, nonfinite_gradients, loss, loss_scale)` for the step
     just taken; `nonfinite_gradients` and `loss` stay tensors until the step
     is processed.
     """
-    monitor_logs = getattr(model, "_kmp_monitor_logs", None) or {}
+    # kmp.Model's own step returns the values of `model.optimizer` only.
+    own = optimizer is getattr(model, "optimizer", None)
+    monitor_logs = (getattr(model, "_kmp_monitor_logs", None) or {}) if own else {}
     if "counters" in monitor_logs:
         counters = monitor_logs["counters"]
         nonfinite_gradients = monitor_logs["nonfinite_gradients"]
         loss = monitor_logs["loss"]  # converted when the step is processed
     else:
-        # Not a kmp.Model, several replicas, or a custom train_step: read
-        # the optimizer (one small host read per step) and use the
-        # epoch's mean loss.
+        # Not a kmp.Model, several replicas, a custom train_step or another
+        # optimizer: read the optimizer (one small host read per step) and
+        # take the loss from the logs (the epoch's mean, for Keras' own step).
         counters, nonfinite_gradients = optimizer._monitor_state()
-        loss = float(logs.get("loss", float("nan")))
+        loss = float(logs.get(loss_log, logs.get("loss", float("nan"))))
     counters = np.asarray(counters).tolist()  # Python ints: cheap below
-    if "loss_scale" in logs:
+    if own and "loss_scale" in logs:
         loss_scale = float(logs["loss_scale"])
     else:
         loss_scale = float(optimizer.loss_scale)
@@ -269,6 +387,48 @@ def _variable_names(optimizer, nonfinite_gradients):
     ]
 
 
+class _Watched:
+    """One optimizer a monitor watches in one fit: its ledger, CSV and the
+    steps read but not processed yet.
+
+    Args:
+        name: String. The optimizer's attribute name on the model.
+        optimizer: The `kmp.LossScaleOptimizer`, built or not (an optimizer
+            is built by its first step).
+        csv_path: Optional string. Its CSV.
+        lazy_csv: Bool. Create the CSV at its first row, not now: of several
+            optimizers, one that takes no step leaves no file.
+    """
+
+    def __init__(self, name, optimizer, csv_path, lazy_csv):
+        self.name = name
+        self.optimizer = optimizer
+        self.loss_log = _loss_log(name)
+        # Zeros for an optimizer not built yet: it has taken no step.
+        self.ledger = Ledger(_read_counters(optimizer).tolist(), float(optimizer.loss_scale))
+        self._first_step = self.ledger.step
+        self.csv = _StepCsv(csv_path, lazy=lazy_csv)
+        self.pending_steps = []
+
+    @property
+    def stepped(self):
+        """Whether the processed steps include one of this fit."""
+        return self.ledger.step > self._first_step
+
+    def read_step(self, model, logs):
+        """Keeps the step just taken; returns its consecutive skips."""
+        record = _read_step(model, self.optimizer, logs, self.loss_log)
+        self.pending_steps.append(record)
+        return record[0][3]
+
+    def process_pending_steps(self):
+        for counters, flags, loss, loss_scale in self.pending_steps:
+            # Names are read (a device read of the flags) only on a backward skip.
+            names = functools.partial(_variable_names, self.optimizer, flags)
+            self.csv.write(self.ledger.record(counters, float(loss), loss_scale, names))
+        self.pending_steps = []
+
+
 @keras.saving.register_keras_serializable(package="kmp")
 class LossScaleMonitor(keras.callbacks.Callback):
     """Reports, explains and records every step that loss scaling skipped.
@@ -276,6 +436,17 @@ class LossScaleMonitor(keras.callbacks.Callback):
     Add it to `fit` on a `kmp.Model` trained with loss scaling (a
     `kmp.LossScaleOptimizer`). With any other optimizer there is nothing to
     monitor and it does nothing.
+
+    It watches every `kmp.LossScaleOptimizer` the model holds as an attribute
+    (`model.optimizer`, and a GAN's `d_optimizer` and `g_optimizer` that its
+    own `compile` sets), or those given as `optimizers`, each with its own
+    counts. With several, each line, warning and stop message starts with the
+    optimizer's attribute name (`d_optimizer: epoch 1: 3 of 40 steps
+    skipped ...`), the CSV and the plot are one file per optimizer (`steps.csv`
+    becomes `steps.d_optimizer.csv`), and one that takes no step in a fit
+    (the default optimizer a custom `compile` makes and never uses) is left
+    out of all of them. Training stops when any of them reaches
+    `max_consecutive_skips`; `stopped_optimizer` says which.
 
     After every step it reads values the train step already returns with
     its logs (no extra device round trip), and:
@@ -316,9 +487,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
     step, plus what any Keras callback with a per-batch hook costs: `fit`
     waits for each step's (or execution's) logs instead of dispatching
     callbacks in a background thread. On an accelerator, `steps_per_execution > 1` amortizes that wait.
-    Under a `tf.distribute` strategy with several replicas the monitor reads
-    the optimizer's counters once per step instead (they stay exact), and the
-    CSV's `loss` is the epoch's running mean.
+    The monitor reads the optimizer's counters once per step instead (they
+    stay exact) under a `tf.distribute` strategy with several replicas, with
+    a custom `train_step`, and for any optimizer other than `model.optimizer`.
+    The CSV's `loss` then comes from the step's logs: `d_loss` for an
+    optimizer named `d_optimizer` when the logs have it, else `loss` (the
+    epoch's running mean, for Keras' own step).
 
     With `steps_per_execution > 1` Keras calls callbacks once per execution.
     The counts, the reasons and the stop step stay exact (they are counted on
@@ -348,19 +522,31 @@ class LossScaleMonitor(keras.callbacks.Callback):
             Defaults to `None`.
         verbose: Int. 0 is silent (warnings still show); 1 prints one line
             per epoch and the reason training was stopped. Defaults to `1`.
+        optimizers: Optional list of the model's attribute names (str, e.g.
+            `["g_optimizer"]`) or of `kmp.LossScaleOptimizer` instances: the
+            optimizers to watch. Names are looked up when training starts.
+            Only names can be serialized: `get_config` raises for instances.
+            Defaults to `None`: every `kmp.LossScaleOptimizer` of the model.
 
     Attributes:
-        stopped_step: The step at which `max_consecutive_skips` was reached,
-            or `None`.
+        stopped_step: The step (of `stopped_optimizer`) at which
+            `max_consecutive_skips` was reached, or `None`.
+        stopped_optimizer: The attribute name of the optimizer that reached
+            it, or `None`.
         stop_message: Why training was stopped, or `None`.
-        epoch_summaries: List of dicts, one per epoch: `epoch`, `steps`,
-            `skipped`, `forward`, `backward`, `start_scale`, `end_scale`,
-            `min_scale`, `max_scale`, `nonfinite_variables`.
+        epoch_summaries: List of dicts, one per epoch and watched optimizer
+            (in the order of their attributes): `optimizer` (its attribute
+            name), `epoch`, `steps`, `skipped`, `forward`, `backward`,
+            `start_scale`, `end_scale`, `min_scale`, `max_scale`,
+            `nonfinite_variables`.
 
     Raises:
         ValueError: if `max_consecutive_skips`, `warn_skip_rate` or `verbose`
-            breaks its rule.
-        TypeError: if `csv_path` or `plot_path` is not a path.
+            breaks its rule, or `optimizers` is empty or repeats one; when
+            training starts, if a name in `optimizers` is not an attribute of
+            the model holding a `kmp.LossScaleOptimizer`.
+        TypeError: if `csv_path` or `plot_path` is not a path, or
+            `optimizers` is not a list of names and `kmp.LossScaleOptimizer`s.
 
     Example:
 
@@ -374,6 +560,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     model.fit(x, y, epochs=5, callbacks=[monitor])
     # epoch 1: 9 of 500 steps skipped (1.8%: 9 backward, 0 forward), loss
     # scale 32768 -> 64 (min 64, max 32768)
+
+    # A GAN whose compile sets d_optimizer and g_optimizer: watch only one.
+    gan.fit(x, epochs=5, callbacks=[
+        kmp.callbacks.LossScaleMonitor(optimizers=["g_optimizer"])
+    ])
     ```
     """
 
@@ -384,6 +575,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         csv_path=None,
         plot_path=None,
         verbose=1,
+        optimizers=None,
     ):
         super().__init__()
         _check_monitor_arguments(
@@ -396,25 +588,39 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.csv_path = None if csv_path is None else os.fspath(csv_path)
         self.plot_path = None if plot_path is None else os.fspath(plot_path)
         self.verbose = int(verbose)
-        self._csv = _StepCsv(None)
+        self.optimizers = _check_optimizers(optimizers)
+        self._watched = []
         self._forget_last_fit()
 
     def _forget_last_fit(self):
+        for watched in self._watched:
+            watched.csv.close()  # left open by a fit that raised
         self.stopped_step = None
+        self.stopped_optimizer = None
         self.stop_message = None
-        self._optimizer = None
-        self._ledger = None  # The optimizer's numbers, for one fit.
+        self._watched = []  # One `_Watched` per optimizer, for one fit.
+        self._summaries = []
         self._pending = messages.Pending()
-        self._pending_steps = []
 
     def get_config(self):
-        return {
+        config = {
             "max_consecutive_skips": self.max_consecutive_skips,
             "warn_skip_rate": self.warn_skip_rate,
             "csv_path": self.csv_path,
             "plot_path": self.plot_path,
             "verbose": self.verbose,
         }
+        if self.optimizers is None:
+            # Left out: a config saved before `optimizers` existed reads the same.
+            return config
+        if not all(isinstance(item, str) for item in self.optimizers):
+            raise ValueError(
+                "A LossScaleMonitor given optimizer instances cannot be "
+                "serialized: an optimizer is state, not config. Give the "
+                "model's attribute names instead (optimizers=['g_optimizer']), "
+                f"or None for all of them. Received: optimizers={list(self.optimizers)!r}"
+            )
+        return dict(config, optimizers=list(self.optimizers))
 
     @classmethod
     def from_config(cls, config):
@@ -422,85 +628,107 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     @property
     def epoch_summaries(self):
-        """List of dicts, one per epoch of the last fit (see `Attributes:`)."""
-        return [] if self._ledger is None else self._ledger.epoch_summaries
+        """List of dicts, one per epoch (and optimizer) of the last fit (see
+        `Attributes:`)."""
+        return list(self._summaries)
+
+    def _say(self, watched, text):
+        """`text` about `watched`, named when the monitor watches several."""
+        if len(self._watched) > 1:
+            return messages.for_optimizer(watched.name, text)
+        return text
+
+    def _reported(self, watched):
+        # Of several, one that took no step (the optimizer a GAN's `compile`
+        # makes and its train_step never uses) would only add noise.
+        return len(self._watched) == 1 or watched.stepped
 
     def on_train_begin(self, logs=None):
         self._forget_last_fit()
-        self._optimizer = _scaling_optimizer(self.model)
-        if self._optimizer is None:
+        found = _resolve_optimizers(self.model, self.optimizers)
+        if not found:
             if self.verbose:
                 _keras_internals.print_msg(
                     messages.nothing_to_monitor(self.model.dtype_policy.compute_dtype)
                 )
             return
-        # kmp.Model.fit has done this already; for a plain keras.Model
-        # whose optimizer is kmp's, it retraces the step Keras built.
-        _watch_optimizer(self.model, True)
-        self._ledger = Ledger(
-            _read_counters(self._optimizer).tolist(), float(self._optimizer.loss_scale)
-        )
-        self._csv = _StepCsv(self.csv_path)
+        # kmp.Model.fit has done this already for the model's attributes; for
+        # a plain keras.Model, or instances it does not hold, it retraces the
+        # step Keras built.
+        _watch_optimizer(self.model, True, list(found.values()))
+        several = len(found) > 1
+        self._watched = [
+            _Watched(name, optimizer, _path_for(self.csv_path, name if several else None),
+                     lazy_csv=several)
+            for name, optimizer in found.items()
+        ]
 
     def on_epoch_begin(self, epoch, logs=None):
         # Said once the progress bar (the last callback) has ended its line.
         self._pending.flush()
-        if self._ledger is not None:
-            self._ledger.begin_epoch(epoch + 1)
+        for watched in self._watched:
+            watched.ledger.begin_epoch(epoch + 1)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._ledger is None:
-            return
         # Right after a step, Python competes with the framework's worker
         # threads and runs several times slower: do only the stop check now
         # and process the steps in batches.
-        record = _read_step(self.model, self._optimizer, logs or {})
-        self._pending_steps.append(record)
         limit = self.max_consecutive_skips
-        if limit is not None and self.stopped_step is None and record[0][3] >= limit:
-            self._process_pending_steps()
-            self._stop(limit)
-        elif len(self._pending_steps) >= _PROCESS_EVERY:
-            self._process_pending_steps()
+        reached = None
+        for watched in self._watched:
+            if not watched.optimizer.built:
+                continue  # no step yet: an optimizer is built by its first
+            consecutive = watched.read_step(self.model, logs or {})
+            if (
+                limit is not None and reached is None and self.stopped_step is None
+                and consecutive >= limit
+            ):
+                reached = watched
+            elif len(watched.pending_steps) >= _PROCESS_EVERY:
+                watched.process_pending_steps()
+        if reached is not None:
+            reached.process_pending_steps()
+            self._stop(limit, reached)
 
-    def _process_pending_steps(self):
-        for counters, flags, loss, loss_scale in self._pending_steps:
-            # Names are read (a device read of the flags) only on a backward skip.
-            names = functools.partial(_variable_names, self._optimizer, flags)
-            self._csv.write(self._ledger.record(counters, float(loss), loss_scale, names))
-        self._pending_steps = []
-
-    def _stop(self, limit):
-        ledger = self._ledger
+    def _stop(self, limit, watched):
+        ledger = watched.ledger
         self.stopped_step = ledger.step_reaching(limit)
+        self.stopped_optimizer = watched.name
         forward = ledger.consecutive_forward >= limit
-        self.stop_message = messages.stop_message(
+        self.stop_message = self._say(watched, messages.stop_message(
             self.stopped_step, ledger.step, limit, forward, ledger.last_names, ledger.scale
-        )
+        ))
         self.model.stop_training = True
         if self.verbose:
             self._pending.add_line(self.stop_message)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._ledger is None:
-            return
-        self._process_pending_steps()
-        self._csv.flush()
-        summary = self._ledger.end_epoch()
-        if self.verbose:
-            self._pending.add_line(messages.epoch_line(summary))
-        # An epoch without steps has a rate of 0: never above the limit.
-        if self.warn_skip_rate is not None and messages.skip_rate(summary) > self.warn_skip_rate:
-            self._pending.add_warning(
-                messages.skip_rate_warning(summary, self.warn_skip_rate)
-            )
+        for watched in self._watched:
+            watched.process_pending_steps()
+            watched.csv.flush()
+            summary = watched.ledger.end_epoch()
+            if not self._reported(watched):
+                continue
+            self._summaries.append(dict(summary, optimizer=watched.name))
+            if self.verbose:
+                self._pending.add_line(self._say(watched, messages.epoch_line(summary)))
+            # An epoch without steps has a rate of 0: never above the limit.
+            if (
+                self.warn_skip_rate is not None
+                and messages.skip_rate(summary) > self.warn_skip_rate
+            ):
+                self._pending.add_warning(self._say(
+                    watched, messages.skip_rate_warning(summary, self.warn_skip_rate)
+                ))
 
     def on_train_end(self, logs=None):
-        if self._ledger is not None:
-            self._process_pending_steps()
-        self._csv.close()
-        if self._ledger is not None and self.plot_path is not None:
-            write_plot(self.plot_path, self._ledger.history)
+        several = len(self._watched) > 1
+        for watched in self._watched:
+            watched.process_pending_steps()
+            watched.csv.close()
+            if self.plot_path is not None and self._reported(watched):
+                path = _path_for(self.plot_path, watched.name if several else None)
+                write_plot(path, watched.ledger.history)
         self._pending.flush()
 
 
@@ -508,28 +736,35 @@ class _StepCsv:
     """The monitor's per-step CSV: rewritten at each fit, flushed each epoch.
 
     With `path=None` every method does nothing, so the monitor never checks
-    whether it writes a CSV.
+    whether it writes a CSV. With `lazy=True` the file is created at the
+    first row instead of now.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, lazy=False):
+        self._path = path
         self._file = None
-        if path is None:
-            return
-        directory = os.path.dirname(path)
+        if path is not None and not lazy:
+            self._open()
+
+    def _open(self):
+        directory = os.path.dirname(self._path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._file = open(path, "w", newline="")
+        self._file = open(self._path, "w", newline="")
         self._writer = csv.writer(self._file)
         self._writer.writerow(CSV_COLUMNS)
         self._file.flush()
 
     def write(self, row):
         """Writes one `kmp._ledger.Step` (nothing for `None`: no step taken)."""
-        if self._file is not None and row is not None:
-            self._writer.writerow((
-                row.step, row.loss, _csv_number(row.loss_scale), row.skipped, row.reason,
-                messages.shorten_names(row.nonfinite_variables, separator=";"),
-            ))
+        if self._path is None or row is None:
+            return
+        if self._file is None:
+            self._open()
+        self._writer.writerow((
+            row.step, row.loss, _csv_number(row.loss_scale), row.skipped, row.reason,
+            messages.shorten_names(row.nonfinite_variables, separator=";"),
+        ))
 
     def flush(self):
         if self._file is not None:
@@ -539,3 +774,4 @@ class _StepCsv:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._path = None  # a closed CSV stays closed

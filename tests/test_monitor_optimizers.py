@@ -195,6 +195,28 @@ def test_progress_bar_names_each_optimizer_without_a_monitor(gan, capsys):
     assert monitor.epoch_summaries[0]["nonfinite_variables"]
 
 
+def test_optimizers_kmp_wraps_at_the_first_step_are_watched_too():
+    # Plain optimizers: kmp.Model wraps them when it makes the train
+    # function, after fit began and before the monitor's train begin.
+    kmp.set_policy("mixed_float16")  # conftest.py's fixture sets float32 back
+    gan = _Gan()
+    gan.compile(d_optimizer=keras.optimizers.SGD(), g_optimizer=keras.optimizers.SGD())
+    monitor = kmp.callbacks.LossScaleMonitor(verbose=0, warn_skip_rate=None)
+    _fit(gan, _data(6, **_POISON), callbacks=[monitor])
+    assert isinstance(gan.d_optimizer, kmp.LossScaleOptimizer) and gan.d_optimizer._monitored
+    d, g = gan.d_optimizer, gan.g_optimizer
+    # At Keras' default scale of 2**15 the discriminator's first step(s) may
+    # overflow float16 by themselves: its counts are the optimizer's own.
+    skipped, forward = int(d.skipped_steps), int(d._forward_overflows)
+    assert forward == 1 and skipped >= 2 and int(g.skipped_steps) >= 1
+    assert [_counts(s) for s in monitor.epoch_summaries] == [
+        ("d_optimizer", 6, skipped, skipped - forward, forward),
+        ("g_optimizer", 6, int(g.skipped_steps), int(g.skipped_steps), 0),
+    ]
+    assert monitor.epoch_summaries[0]["end_scale"] == float(d.loss_scale) == 2.0**15 / 2**skipped
+    assert monitor.epoch_summaries[0]["nonfinite_variables"]
+
+
 @pytest.mark.parametrize("by", ["name", "instance"])
 def test_only_the_given_optimizer_is_watched_as_if_alone(gan, tmp_path, capsys, by):
     chosen = "g_optimizer" if by == "name" else gan.g_optimizer

@@ -120,9 +120,12 @@ def epoch_line(summary):
         if skipped
         else ""
     )
+    retried = summary.get("retried", 0)
+    batches = "batch" if retried == 1 else "batches"
+    retries = f", {retried} {batches} retried at a lower scale" if retried else ""
     return (
         f"epoch {summary['epoch']}: {skipped} of {plural(steps, 'step')} "
-        f"skipped ({skip_rate(summary):.1%}{breakdown}), loss scale "
+        f"skipped ({skip_rate(summary):.1%}{breakdown}{retries}), loss scale "
         f"{format_scale(summary['start_scale'])} -> "
         f"{format_scale(summary['end_scale'])} "
         f"(min {format_scale(summary['min_scale'])}, "

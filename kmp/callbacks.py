@@ -48,6 +48,7 @@ CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_var
 # The logs kmp adds to `fit`'s: each is a current value, not a per-step
 # quantity, so the progress bar shows it as it is, never averaged.
 _SCALING_LOGS = ("loss_scale", "skipped_steps")
+_COUNT_LOGS = ("skipped_steps", "retried_steps")
 
 
 def _csv_number(value):
@@ -81,18 +82,32 @@ class _Readable(float):
         return self.text
 
 
+def _scaling_log_kind(key):
+    """`"loss_scale"` or a count's name when `key` is one of kmp's scaler logs
+    (`loss_scale`, `d_optimizer_loss_scale`, `skipped_steps`, ...), else `None`."""
+    for kind in ("loss_scale",) + _COUNT_LOGS:
+        if key == kind or key.endswith("_" + kind):
+            return kind
+    return None
+
+
 def _readable_logs(logs):
-    """A copy of `logs` with `loss_scale` and `skipped_steps` in readable form."""
-    if not logs or not any(name in logs for name in _SCALING_LOGS):
+    """A copy of `logs` with kmp's scaler logs in readable form (`32768`, `3`)."""
+    if not logs:
         return logs
-    logs = dict(logs)
-    if isinstance(logs.get("loss_scale"), numbers.Real):
-        logs["loss_scale"] = _Readable(logs["loss_scale"], format_scale(logs["loss_scale"]))
-    if isinstance(logs.get("skipped_steps"), numbers.Real):
-        logs["skipped_steps"] = _Readable(
-            logs["skipped_steps"], str(int(logs["skipped_steps"]))
-        )
-    return logs
+    readable = dict(logs)
+    for key, value in logs.items():
+        kind = _scaling_log_kind(key)
+        if kind is None or not isinstance(value, numbers.Real):
+            continue
+        text = format_scale(value) if kind == "loss_scale" else str(int(value))
+        readable[key] = _Readable(value, text)
+    return readable
+
+
+def _retries(optimizer):
+    """Host read of the batches `optimizer` had redone (0 before it is built)."""
+    return int(optimizer.counters["retries"]) if optimizer.built else 0
 
 
 def _read_counters(optimizer):
@@ -144,6 +159,10 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
             stateful.update(_SCALING_LOGS)
 
     def on_train_batch_end(self, batch, logs=None):
+        # Also a GAN's `d_optimizer_loss_scale`, ..., known only from the logs.
+        stateful = getattr(self.progbar, "stateful_metrics", None)
+        if stateful is not None and logs:
+            stateful.update(key for key in logs if _scaling_log_kind(key))
         super().on_train_batch_end(batch, _readable_logs(logs))
 
     def on_epoch_end(self, epoch, logs=None):
@@ -668,6 +687,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._pending.flush()
         for watched in self._watched:
             watched.ledger.begin_epoch(epoch + 1)
+            watched.retries_at_epoch_start = _retries(watched.optimizer)
 
     def on_train_batch_end(self, batch, logs=None):
         # Right after a step, Python competes with the framework's worker
@@ -707,6 +727,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
             watched.process_pending_steps()
             watched.csv.flush()
             summary = watched.ledger.end_epoch()
+            # Batches redone at a lower scale (`compile(overflow_retries=...)`).
+            summary = dict(summary, retried=_retries(watched.optimizer) - getattr(
+                watched, "retries_at_epoch_start", 0))
             if not self._reported(watched):
                 continue
             self._summaries.append(dict(summary, optimizer=watched.name))

@@ -236,3 +236,16 @@ def test_custom_loop_recipe_skips_an_injected_overflow(compiled):
     assert int(optimizer.skipped_steps) == 1
     assert int(optimizer.iterations) == 3
     assert float(optimizer.loss_scale) == 2.0**7
+
+
+def test_progress_bar_shows_each_scaler_readably(capsys):
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    gan = _gan_class(kmp.Model, True)()
+    optimizer = lambda: keras.optimizers.SGD(0.05)  # noqa: E731
+    gan.compile(optimizer(), optimizer(), keras.losses.BinaryCrossentropy(from_logits=True))
+    gan.fit(_gan_data(), epochs=1, verbose=2)
+    output = capsys.readouterr().out
+    assert "d_optimizer_loss_scale: 32768" in output
+    assert "g_optimizer_skipped_steps: 0" in output
+    assert "32768.0000" not in output and "e+04" not in output

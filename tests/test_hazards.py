@@ -188,3 +188,20 @@ def test_overflow_retries_with_a_custom_train_step_is_refused_clearly():
     x, y = _data()
     with pytest.raises(ValueError, match="Custom overrides `train_step`"):
         model.fit(x, y, verbose=0)
+
+
+def test_the_monitor_reports_retries_apart_from_skips(capsys):
+    x, y = _backward_overflow_data()
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+    model.compile(keras.optimizers.SGD(1e-4), "mse", overflow_retries=8)
+    monitor = kmp.callbacks.LossScaleMonitor()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    retried = int(model.optimizer.counters["retries"])
+    assert retried >= 1
+    [summary] = monitor.epoch_summaries
+    assert summary["retried"] == retried and summary["skipped"] == 0
+    assert f"epoch 1: 0 of 6 steps skipped (0.0%, {retried} batches retried at a lower scale)" \
+        in capsys.readouterr().out

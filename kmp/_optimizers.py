@@ -6,6 +6,7 @@ sets itself (`self.d_optimizer = ...`). kmp names each after its attribute.
 """
 
 import keras
+import numpy as np
 
 from kmp.loss_scale import LossScaleOptimizer
 
@@ -50,3 +51,16 @@ def scaling_optimizers(model, built_only=False):
         for name, optimizer in optimizers_by_attribute(model).items()
         if isinstance(optimizer, LossScaleOptimizer) and (optimizer.built or not built_only)
     }
+
+
+def retries(optimizer):
+    """Host read of the batches `optimizer` had redone (0 before it is built)."""
+    return int(optimizer.counters["retries"]) if optimizer.built else 0
+
+
+def read_counters(optimizer):
+    """Host read of `[step, skipped, forward, consecutive, consecutive_forward]`."""
+    if not optimizer.built:
+        return np.zeros(5, dtype=np.int64)
+    counters, _ = optimizer._monitor_state()
+    return np.asarray(counters)

@@ -26,11 +26,13 @@ import numpy as np
 from kmp import _keras_internals
 from kmp import _monitor_messages as messages
 from kmp import loss_scale as loss_scale_module
-from kmp._format import format_scale
 from kmp._ledger import Ledger
 from kmp._monitor_plot import write_plot
 from kmp._optimizers import optimizers_by_attribute
+from kmp._optimizers import read_counters as _read_counters
+from kmp._optimizers import retries as _retries
 from kmp._optimizers import scaling_optimizers
+from kmp._progbar import _ProgbarLogger
 from kmp.checkpoint import BackupAndRestore
 from kmp.checkpoint import ModelCheckpoint
 
@@ -45,146 +47,12 @@ _PROCESS_EVERY = 256
 
 CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_variables")
 
-# The logs kmp adds to `fit`'s: each is a current value, not a per-step
-# quantity, so the progress bar shows it as it is, never averaged.
-_SCALING_LOGS = ("loss_scale", "skipped_steps")
-_COUNT_LOGS = ("skipped_steps", "retried_steps")
-
-
 def _csv_number(value):
     """A number for the CSV: integers without `.0`, floats as Python writes them."""
     value = float(value)
     if math.isfinite(value) and value == int(value) and abs(value) < 2.0**53:
         return int(value)
     return value
-
-
-class _Readable(float):
-    """A float that the progress bar prints as `text`.
-
-    `keras.utils.Progbar` divides each value by its count and formats it with
-    `.4f`/`.4e`; keeping the subclass through the division lets the loss scale
-    print as `32768` and the skip count as `0` while staying a number.
-    Keras 3.10 and 3.11 pass every value through NumPy before formatting it,
-    which drops the subclass: there they print as `32768.0000` and `0.0000`,
-    the same numbers in Keras' own format.
-    """
-
-    def __new__(cls, value, text):
-        number = super().__new__(cls, value)
-        number.text = text
-        return number
-
-    def __truediv__(self, other):
-        return _Readable(float(self) / other, self.text)
-
-    def __format__(self, spec):
-        return self.text
-
-
-def _scaling_log_kind(key):
-    """`"loss_scale"` or a count's name when `key` is one of kmp's scaler logs
-    (`loss_scale`, `d_optimizer_loss_scale`, `skipped_steps`, ...), else `None`."""
-    for kind in ("loss_scale",) + _COUNT_LOGS:
-        if key == kind or key.endswith("_" + kind):
-            return kind
-    return None
-
-
-def _readable_logs(logs):
-    """A copy of `logs` with kmp's scaler logs in readable form (`32768`, `3`)."""
-    if not logs:
-        return logs
-    readable = dict(logs)
-    for key, value in logs.items():
-        kind = _scaling_log_kind(key)
-        if kind is None or not isinstance(value, numbers.Real):
-            continue
-        text = format_scale(value) if kind == "loss_scale" else str(int(value))
-        readable[key] = _Readable(value, text)
-    return readable
-
-
-def _retries(optimizer):
-    """Host read of the batches `optimizer` had redone (0 before it is built)."""
-    return int(optimizer.counters["retries"]) if optimizer.built else 0
-
-
-def _read_counters(optimizer):
-    """Host read of `[step, skipped, forward, consecutive, consecutive_forward]`."""
-    if not optimizer.built:
-        return np.zeros(5, dtype=np.int64)
-    counters, _ = optimizer._monitor_state()
-    return np.asarray(counters)
-
-
-class _ProgbarLogger(keras.callbacks.ProgbarLogger):
-    """Keras' progress bar, with the loss scale and skip count readable.
-
-    `kmp.Model.fit` uses it in place of Keras' default one. Unless a
-    `LossScaleMonitor` reports skips already (`report_skips=False`), it
-    prints one line at the end of fit when any step of that fit was skipped;
-    when the model holds several scaling optimizers, the line gives each
-    one that took steps by its attribute name.
-    """
-
-    # Like Keras' own progress bar, it may run in Keras' callback thread.
-    async_safe = True
-
-    def __init__(self, report_skips=True):
-        super().__init__()
-        self.report_skips = report_skips
-        self._counters_at_start = {}
-
-    def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
-        self._counters_at_start = {}
-        if self.report_skips:
-            # An optimizer not built yet has taken no step: its zeros are
-            # right even if the first step builds it.
-            self._counters_at_start = {
-                name: (optimizer, _read_counters(optimizer))
-                for name, optimizer in scaling_optimizers(self.model).items()
-            }
-
-    def on_epoch_begin(self, epoch, logs=None):
-        super().on_epoch_begin(epoch, logs)
-        # Before Keras 3.15 the progress bar averages every log over the
-        # epoch's steps unless it is one of its `stateful_metrics`: a scale
-        # that halved mid-epoch would print as the mean of two scales, and the
-        # skip count as a fraction. From 3.15 on no log is averaged, and
-        # `stateful_metrics` is None.
-        stateful = getattr(self.progbar, "stateful_metrics", None)
-        if stateful is not None:
-            stateful.update(_SCALING_LOGS)
-
-    def on_train_batch_end(self, batch, logs=None):
-        # Also a GAN's `d_optimizer_loss_scale`, ..., known only from the logs.
-        stateful = getattr(self.progbar, "stateful_metrics", None)
-        if stateful is not None and logs:
-            stateful.update(key for key in logs if _scaling_log_kind(key))
-        super().on_train_batch_end(batch, _readable_logs(logs))
-
-    def on_epoch_end(self, epoch, logs=None):
-        super().on_epoch_end(epoch, _readable_logs(logs))
-
-    def on_train_end(self, logs=None):
-        if not self.verbose:
-            return
-        counts = []
-        for name, (optimizer, at_start) in self._counters_at_start.items():
-            steps, skipped = (_read_counters(optimizer) - at_start)[:2]
-            counts.append((name, int(skipped), int(steps), optimizer.loss_scale))
-        if not any(skipped > 0 for _, skipped, _, _ in counts):
-            return
-        if len(counts) == 1:
-            _, skipped, steps, scale = counts[0]
-            _keras_internals.print_msg(messages.skipped_in_fit(skipped, steps, scale))
-        else:
-            # Only those that took steps: a GAN's compile makes a default
-            # optimizer that its train_step never uses.
-            used = [count for count in counts if count[2] > 0]
-            _keras_internals.print_msg(messages.skipped_in_fit_by_optimizer(used))
 
 
 def _has_monitor(callbacks):

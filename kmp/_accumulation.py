@@ -51,6 +51,18 @@ def steps(optimizer):
     return steps
 
 
+def refuse_retries(optimizer):
+    """Raises `ValueError` if `optimizer` accumulates: a retry would redo one
+    micro-batch of a window (`kmp.Model.compile(overflow_retries=...)`)."""
+    if steps(optimizer):
+        raise ValueError(
+            "`overflow_retries` cannot be combined with the inner optimizer's "
+            "`gradient_accumulation_steps` (a retry would redo one micro-batch "
+            "of a window). Received: gradient_accumulation_steps="
+            f"{steps(optimizer)}"
+        )
+
+
 def step(optimizer, replicas, decision, apply_on_replicas):
     """One micro-batch of an accumulated step (see the module docstring).
 

@@ -574,13 +574,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             warnings.warn(_UNSCALED_WARNING.format(name=self.name), stacklevel=2)
         scaled = how != _loss_record.UNSCALED
         retries_left = _loss_record.retries_left(self)
-        if retries_left is not None and _accumulation.steps(self):
-            raise ValueError(
-                "`overflow_retries` cannot be combined with the inner optimizer's "
-                "`gradient_accumulation_steps` (a retry would redo one micro-batch "
-                "of a window). Received: gradient_accumulation_steps="
-                f"{_accumulation.steps(self)}"
-            )
+        if retries_left is not None:
+            _accumulation.refuse_retries(self)
         finite, retry = _replicas.run_step(
             lambda replicas, *args: self._step(
                 replicas, *args, scaled=scaled, retries_left=retries_left

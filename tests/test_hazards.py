@@ -205,3 +205,14 @@ def test_the_monitor_reports_retries_apart_from_skips(capsys):
     assert summary["retried"] == retried and summary["skipped"] == 0
     assert f"epoch 1: 0 of 6 steps skipped (0.0%, {retried} batches retried at a lower scale)" \
         in capsys.readouterr().out
+
+
+def test_overflow_retries_with_gradient_accumulation_is_refused_clearly():
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(keras.optimizers.SGD(0.01, gradient_accumulation_steps=2), "mse",
+                  loss_scale="dynamic", overflow_retries=2)
+    x, y = _data()
+    with pytest.raises(ValueError, match="`overflow_retries` cannot be combined"):
+        model.fit(x, y, batch_size=8, verbose=0)

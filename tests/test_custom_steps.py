@@ -246,6 +246,11 @@ def test_progress_bar_shows_each_scaler_readably(capsys):
     gan.compile(optimizer(), optimizer(), keras.losses.BinaryCrossentropy(from_logits=True))
     gan.fit(_gan_data(), epochs=1, verbose=2)
     output = capsys.readouterr().out
-    assert "d_optimizer_loss_scale: 32768" in output
-    assert "g_optimizer_skipped_steps: 0" in output
-    assert "32768.0000" not in output and "e+04" not in output
+    # Before Keras 3.12 the progress bar formats every value itself
+    # (`32768.0000`); from 3.12 on kmp's readable text reaches the line.
+    if tuple(int(part) for part in keras.__version__.split(".")[:2]) >= (3, 12):
+        assert "d_optimizer_loss_scale: 32768 " in output
+        assert "g_optimizer_skipped_steps: 0" in output
+        assert "32768.0000" not in output and "e+04" not in output
+    else:
+        assert "d_optimizer_loss_scale: 32768.0000" in output

@@ -1,6 +1,8 @@
 """kmp.convert and kmp.summary: bring any Keras model under a precision policy."""
 
 import contextlib
+import functools
+import inspect
 import warnings
 
 import keras
@@ -12,6 +14,10 @@ from kmp import policy as policy_module
 @contextlib.contextmanager
 def _keras_policy(name):
     # Keras' global policy only: kmp's own state (keep_float32) is left alone.
+    # `None`: as it is.
+    if name is None:
+        yield
+        return
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(name)
     try:
@@ -72,7 +78,9 @@ def _rebuild(model, source, target):
     try:
         clone = type(model).from_config(_repolicied(config, source, target))
     except Exception:
-        if not isinstance(model, _keras_internals.Functional):
+        if not isinstance(model, _keras_internals.Functional) or _own_training_methods(model):
+            # A plain functional model would not have the model's own
+            # training methods: better wrap the original, which has them.
             raise
         # A functional subclass whose __init__ does not take its config:
         # its graph is rebuilt as a plain functional model.
@@ -94,11 +102,14 @@ class _WrappedModel(model_module.Model):
     switched to `policy` for each call and switched back after.
     """
 
-    def __init__(self, model, policy=None, **kwargs):
+    def __init__(self, model, policy=None, keep_float32=None, **kwargs):
         kwargs.setdefault("name", model.name)
         super().__init__(**kwargs)
         self.wrapped = model
         self._kmp_wrapped_policy = policy
+        if keep_float32 is not None:
+            rules = policy_module._Float32Rules.parse(keep_float32)
+            policy_module._keep_float32_on(self, rules)
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", **kwargs):
         # "auto" reads the layers' dtypes, which are the policy's only while
@@ -107,7 +118,10 @@ class _WrappedModel(model_module.Model):
             loss_scale = "dynamic"
         super().compile(optimizer, *args, loss_scale=loss_scale, **kwargs)
 
-    def call(self, inputs, training=None):
+    @contextlib.contextmanager
+    def _kmp_under_policy(self):
+        """The wrapped model's layers under the policy and the kept layers in
+        float32, for a call or a step of the user's that calls sublayers."""
         with contextlib.ExitStack() as stack:
             if self._kmp_wrapped_policy is not None:
                 stack.enter_context(
@@ -115,29 +129,187 @@ class _WrappedModel(model_module.Model):
                         _following_layers(self.wrapped, self._kmp_wrapped_policy)
                     )
                 )
-                # Planned after the switch: before it, the layers kmp keeps in
-                # float32 may not have been 16-bit at all.
-                stack.enter_context(
-                    policy_module._float32_islands(
-                        self.wrapped, getattr(self, "_kmp_keep_float32", None)
-                    )
+            # Planned after the switch: before it, the layers kmp keeps in
+            # float32 may not have been 16-bit at all.
+            stack.enter_context(
+                policy_module._float32_islands(
+                    self.wrapped, getattr(self, "_kmp_keep_float32", None)
                 )
+            )
+            yield
+
+    def call(self, inputs, training=None):
+        with self._kmp_under_policy():
             if self.wrapped._call_has_training_arg:
                 return self.wrapped(inputs, training=training)
             return self.wrapped(inputs)
 
     def get_config(self):
-        return {
+        config = {
             "model": keras.saving.serialize_keras_object(self.wrapped),
+            "model_policy": self.wrapped.dtype_policy.name,
             "policy": self._kmp_wrapped_policy,
             "name": self.name,
         }
+        rules = policy_module._keep_float32_config(self)
+        if rules is not None:
+            config["keep_float32"] = rules
+        return config
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        config["model"] = keras.saving.deserialize_keras_object(config["model"])
-        return cls(**config)
+        # Loaded under the global policy it was built under (a copy: the
+        # converted policy): a subclassed model's layers take the global
+        # policy of the moment, which its config does not record.
+        with _keras_policy(config.pop("model_policy", None)):
+            model = keras.saving.deserialize_keras_object(config.pop("model"))
+        if "keep_float32" in config:
+            config["keep_float32"] = policy_module._Float32Rules.from_config(
+                config["keep_float32"]
+            )
+        # Not `cls`: a wrapper that keeps the model's own training methods
+        # has a class made for the model's class (see `_wrapper_class`).
+        return _wrapper_class(model)(model, **config)
+
+
+# The methods a model's author writes to train it their own way (keras.io's
+# GAN and VAE override `compile` and `train_step`). A wrapper keeps them.
+_TRAINING_METHODS = (
+    "compile",
+    "train_step",
+    "test_step",
+    "predict_step",
+    "compute_loss",
+    "compute_metrics",
+)
+# Those of them that may call the model's sublayers directly (a GAN's step
+# calls `self.generator`), so they run under the wrapper's policy.
+_STEPS_UNDER_POLICY = _TRAINING_METHODS[1:]
+# What makes a wrapper a wrapper (how it is made, called, built and saved),
+# whichever class of the model defines it: the model's own `call` runs on the
+# wrapped model, never on the wrapper.
+_WRAPPER_STRUCTURE = (
+    "__new__",
+    "__init__",
+    "call",
+    "build",
+    "get_config",
+    "from_config",
+    "get_build_config",
+    "build_from_config",
+    "compute_output_shape",
+    "compute_output_spec",
+)
+# Packages whose model classes are Keras', not the user's training code.
+_LIBRARY_PACKAGES = ("keras", "keras_hub", "kmp", "tensorflow", "tf_keras")
+# Attributes every Keras model sets on itself by `compile` or `fit`: a
+# wrapper that has none yet does not take the wrapped model's.
+_KERAS_TRAINING_ATTRIBUTES = ("optimizer", "loss", "compiled", "history", "stop_training")
+
+
+def _is_library_class(klass):
+    return klass is object or klass.__module__.split(".")[0] in _LIBRARY_PACKAGES
+
+
+def _own_training_methods(model):
+    """The `_TRAINING_METHODS` that `model`'s own (non-Keras) classes define."""
+    return [
+        name
+        for name in _TRAINING_METHODS
+        if any(
+            name in vars(klass)
+            for klass in type(model).__mro__
+            if not _is_library_class(klass)
+        )
+    ]
+
+
+def _wrapped_attribute(self, name):
+    # Reached only when normal lookup fails: the model's own methods, run on
+    # the wrapper, find the wrapped model's attributes (a GAN's train_step
+    # reads `self.generator`; a callback reads `self.model.generator`).
+    if name.startswith("_") or name in _KERAS_TRAINING_ATTRIBUTES:
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    try:
+        wrapped = object.__getattribute__(self, "wrapped")
+    except AttributeError:
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}"
+        ) from None
+    return getattr(wrapped, name)
+
+
+def _under_policy(step):
+    @functools.wraps(step)
+    def step_under_policy(self, *args, **kwargs):
+        with self._kmp_under_policy():
+            return step(self, *args, **kwargs)
+
+    return step_under_policy
+
+
+@functools.cache
+def _wrapper_keeping(model_class):
+    """A wrapper class that is also a `model_class`: kmp's wrapper for what
+    makes a model (`_WRAPPER_STRUCTURE`), `model_class`'s for how it trains.
+
+    ```
+    class GAN(keras.Model): compile(d_optimizer, ...), train_step, helpers
+    wrapper class = GAN + _WrappedModel:
+        __init__, call, build, get_config, ...  -> _WrappedModel's
+        (call runs the wrapped GAN's own call, under the policy)
+        compile, train_step, helpers, metrics   -> GAN's, run on the wrapper
+        (super().compile() reaches kmp.Model.compile; each step runs under
+        the policy; attributes the wrapper lacks are the wrapped model's)
+    ```
+    So `compile(d_optimizer=...)` sets the optimizers on the wrapper, where
+    kmp.Model finds and wraps them, and the steps report their scalers.
+    """
+    own = {
+        name
+        for klass in model_class.__mro__
+        if not _is_library_class(klass)
+        for name in vars(klass)
+    }
+    # Keras' classes on the model's side (Functional, Sequential) describe
+    # the wrapped model's structure, not the wrapper's.
+    library_side = {
+        name
+        for klass in model_class.__mro__
+        if _is_library_class(klass) and klass not in _WrappedModel.__mro__
+        for name in vars(klass)
+    }
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": model_class.__qualname__,
+        "__doc__": model_class.__doc__,
+        "__getattr__": _wrapped_attribute,
+    }
+    for name in set(_WRAPPER_STRUCTURE) | (library_side - own):
+        if name.startswith("__") and name not in _WRAPPER_STRUCTURE:
+            continue
+        try:
+            namespace[name] = inspect.getattr_static(_WrappedModel, name)
+        except AttributeError:
+            pass
+    for name in _STEPS_UNDER_POLICY:
+        if name in own:
+            namespace[name] = _under_policy(getattr(model_class, name))
+    wrapper_class = type(model_class.__name__, (model_class, _WrappedModel), namespace)
+    # Saved as a WrappedModel (whose from_config makes this class again from
+    # the wrapped model's), and loaded as one: registering this class took
+    # the name over, so it is given back.
+    keras.saving.register_keras_serializable("kmp", "WrappedModel")(wrapper_class)
+    keras.saving.register_keras_serializable("kmp", "WrappedModel")(_WrappedModel)
+    return wrapper_class
+
+
+def _wrapper_class(model):
+    """`_WrappedModel`, or a subclass that keeps `model`'s own training methods."""
+    if _own_training_methods(model):
+        return _wrapper_keeping(type(model))
+    return _WrappedModel
 
 
 def _following_layers(model, policy):
@@ -199,21 +371,36 @@ def convert(model, policy=None, keep_float32=None, compile=True):
     in mixed precision with loss scaling and float32 outputs. How:
 
     ```
-    functional, Sequential, keras-hub model, kmp.Model:
-        rebuild from get_config() with every layer that followed the model's
-        policy now on `policy` (a layer with its own dtype= keeps it),
-        copy the weights, return a functional kmp.Model over the new graph
-    subclassed model:
-        rebuild from get_config() and copy the weights if it can be;
-        otherwise WRAP IT: a kmp.Model whose call runs the original with its
-        layers switched to `policy` for the call. The wrapper shares the
-        original's weights (training one trains the other); kmp warns.
+    rebuild `model` from get_config() with every layer that followed its
+    policy now on `policy` (a layer with its own dtype= keeps it), and copy
+    the weights:
+        functional, Sequential, keras-hub model -> a functional kmp.Model
+                                                   over the new graph
+        kmp.Model subclass                      -> the copy itself
+        other subclassed model                  -> a kmp.Model wrapping the copy
+    if the config does not rebuild it faithfully (no get_config(), a custom
+    layer Keras cannot locate, weights the config does not describe, as
+    with LoRA enabled):
+        WRAP IT: a kmp.Model whose call runs the original with its layers
+        switched to `policy` for the call. The wrapper shares the original's
+        weights (training one trains the other); kmp warns.
+    a model whose class overrides compile, train_step, test_step,
+    predict_step, compute_loss or compute_metrics (a GAN, a VAE):
+        the wrapper is also of that class and keeps those methods: the
+        model compiles with its own arguments, every optimizer it sets on
+        itself gets loss scaling as in a kmp.Model, and each step runs with
+        the layers under `policy`; attributes the wrapper lacks (a GAN's
+        `generator`) are the wrapped model's
     compiled model (unless compile=False):
         compile the result with the same loss, metrics and optimizer
         configuration: a fresh optimizer, wrapped for loss scaling when the
-        result computes in float16
+        result computes in float16 (a model that overrides compile is left
+        for you to compile; kmp warns)
     ```
-    The model passed in is never changed.
+    The model passed in is never changed, unless it is wrapped: then the
+    result shares its layers and weights. A functional result or a wrapper
+    keeps its policy, `keep_float32` and loss scaling through a `.keras`
+    file (a `kmp.Model` subclass keeps what its own `get_config()` holds).
 
     Args:
         model: A `keras.Model`, built or not: functional, `Sequential`,
@@ -233,7 +420,9 @@ def convert(model, policy=None, keep_float32=None, compile=True):
         A `kmp.Model`.
 
     Raises:
-        TypeError: if `model` is not a `keras.Model`, or an entry of
+        TypeError: if `model` is not a `keras.Model`, has no `call()` (a
+            VAE that only trains through its `train_step`: define `call()`,
+            or subclass `kmp.Model` instead of converting), or an entry of
             `keep_float32` is neither a string nor a layer class.
         ValueError: if `policy` is not a policy, a name in `keep_float32`
             (or in `kmp.set_policy`'s) is no layer of `model` (the message
@@ -255,6 +444,7 @@ def convert(model, policy=None, keep_float32=None, compile=True):
             "`model` must be a keras.Model (functional, Sequential, subclassed "
             f"or a keras-hub model). Received: model of type {type(model).__name__}"
         )
+    _check_has_call(model)
     target = policy_module._resolve_policy(
         policy, "policy", caller="kmp.convert", none_means="the active kmp policy"
     )
@@ -268,27 +458,61 @@ def convert(model, policy=None, keep_float32=None, compile=True):
         )
     source = getattr(model.dtype_policy, "name", None)
     with _keras_policy(target.name):
-        if isinstance(model, (_keras_internals.Functional, keras.Sequential)):
-            converted = _as_kmp_model(_rebuild(model, source, target.name))
-        else:
-            try:
-                clone = _rebuild(model, source, target.name)
-                converted = (
-                    clone if isinstance(clone, model_module.Model) else _WrappedModel(clone)
-                )
-            except Exception as error:  # no usable get_config(): wrap it
-                warnings.warn(
-                    f"kmp.convert could not rebuild {model.name!r} from its "
-                    f"config ({type(error).__name__}: {error}); the result wraps "
-                    "it and shares its weights, so training the result trains "
-                    "the original. Implement get_config() to get a copy."
-                )
-                converted = _WrappedModel(model, policy=target.name)
-    # object.__setattr__: Keras would track the rules as state.
-    object.__setattr__(converted, "_kmp_keep_float32", rules)
+        converted = _converted(model, source, target.name)
+    policy_module._keep_float32_on(converted, rules)
     if compile and getattr(model, "compiled", False):
-        _compile_like(converted, model)
+        if "compile" in _own_training_methods(model):
+            warnings.warn(
+                f"kmp.convert did not compile the result as {model.name!r} was "
+                f"compiled: {type(model).__name__} overrides compile(), whose "
+                "arguments kmp cannot read back. Call its compile() on the "
+                "result as you did on the original; pass compile=False to "
+                "kmp.convert to silence this warning.",
+                stacklevel=2,
+            )
+        else:
+            _compile_like(converted, model)
     return converted
+
+
+def _converted(model, source, target):
+    """`model` under `target`: a copy where its config rebuilds it faithfully,
+    else a wrapper around it (with a warning)."""
+    try:
+        clone = _rebuild(model, source, target)
+    except Exception as error:  # no faithful config: wrap the original
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        if len(reason) > 300:  # Keras' messages can hold a whole config
+            reason = reason[:300] + " ..."
+        warnings.warn(
+            f"kmp.convert could not rebuild {model.name!r} "
+            f"({type(model).__name__}) faithfully from its config ({reason}); "
+            "the result wraps it and shares its weights, so training the "
+            "result trains the original. For a copy instead, give each custom "
+            "layer and model a get_config() that describes it fully and "
+            "register its class (@keras.saving.register_keras_serializable()).",
+            stacklevel=3,
+        )
+        return _wrapper_class(model)(model, policy=target)
+    if isinstance(clone, model_module.Model):
+        return clone  # its class is kmp's and, for a subclass, the user's
+    if _own_training_methods(clone):
+        return _wrapper_class(clone)(clone)
+    return _as_kmp_model(clone)
+
+
+def _check_has_call(model):
+    if type(model).call is keras.Model.call:
+        raise TypeError(
+            "kmp.convert runs a model through its call(), and "
+            f"{type(model).__name__} defines none. Define call() with the "
+            "model's forward pass, or leave kmp.convert out: build the model "
+            "as a subclass of kmp.Model (not keras.Model) after "
+            "kmp.set_policy(...), and its own train_step runs under the "
+            "policy with loss scaling. Received: "
+            f"model={model.name!r} of class {type(model).__name__}, which has "
+            "no call()"
+        )
 
 
 def _reasons(model):

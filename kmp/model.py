@@ -362,3 +362,19 @@ Model.train_step = _train_step.reporting_scalers(Model.train_step, own=True)
 @keras.saving.register_keras_serializable(package="kmp", name="FunctionalModel")
 class FunctionalModel(Model, _keras_internals.Functional):
     """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model."""
+
+    def get_config(self):
+        config = super().get_config()
+        if "layers" in config:  # a functional config, which from_config below reads
+            # The model's own policy and keep_float32, which Keras leaves out.
+            config.update(policy_module._model_choices(self))
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        choices = {
+            key: config.pop(key) for key in policy_module._MODEL_CHOICE_KEYS if key in config
+        }
+        model = super().from_config(config, custom_objects=custom_objects)
+        return policy_module._restore_model_choices(model, choices)

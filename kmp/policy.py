@@ -483,6 +483,45 @@ class _Float32Rules:
                 return repr("re:" + pattern.pattern)
         return None
 
+    def get_config(self):
+        """The rules as JSON, for a model's config: classes by registered name."""
+        return {
+            "classes": [keras.saving.get_registered_name(cls) for cls in self.classes],
+            "names": list(self.names),
+            "patterns": [pattern.pattern for pattern in self.patterns],
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        """The rules `get_config` returned; classes looked up as Keras would.
+
+        Raises:
+            ValueError: for a class Keras cannot locate (not registered, not
+                in `custom_objects`, not a `keras.layers` class).
+        """
+        classes = []
+        for name in config.get("classes", ()):
+            # Registered classes and load_model's custom_objects, then Keras'.
+            layer_class = keras.saving.get_registered_object(
+                name, module_objects=vars(keras.layers)
+            )
+            if not (
+                isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)
+            ):
+                raise ValueError(
+                    f"The saved `keep_float32` names the layer class {name!r}, "
+                    "which Keras cannot locate. Register it with "
+                    "`@keras.saving.register_keras_serializable()` or pass it "
+                    "in `custom_objects`. Received: keep_float32 class "
+                    f"{name!r}"
+                )
+            classes.append(layer_class)
+        return cls(
+            classes,
+            config.get("names", ()),
+            [re.compile(pattern) for pattern in config.get("patterns", ())],
+        )
+
     def check_names(self, model, argument="keep_float32"):
         """Raises `ValueError` for an exact name no layer of `model` has."""
         layers = list(model._flatten_layers(include_self=False, recursive=True))
@@ -497,6 +536,47 @@ class _Float32Rules:
                 f"{model.name!r}: {', '.join(sorted(known))}. Use a class or "
                 "a 're:' pattern to name layers the model may not have."
             )
+
+
+def _keep_float32_on(model, rules):
+    """Gives `model` its own `keep_float32` rules (a `_Float32Rules`)."""
+    # object.__setattr__: Keras would track the rules as state.
+    object.__setattr__(model, "_kmp_keep_float32", rules)
+
+
+# The keys `_model_choices` adds to a functional model's config.
+_MODEL_CHOICE_KEYS = ("dtype", "keep_float32")
+
+
+def _model_choices(model):
+    """What kmp chose for `model` that Keras' functional config leaves out.
+
+    The model's own policy (Keras gives a loaded functional model the global
+    policy of the moment, whatever it was saved with) and its
+    `keep_float32` rules (kept layers would compute in 16 bits again).
+    """
+    choices = {"dtype": keras.dtype_policies.serialize(model.dtype_policy)}
+    rules = _keep_float32_config(model)
+    if rules is not None:
+        choices["keep_float32"] = rules
+    return choices
+
+
+def _keep_float32_config(model):
+    """`model`'s own `keep_float32` rules as config, or `None` if it has none."""
+    rules = getattr(model, "_kmp_keep_float32", None)
+    if rules is None or not (rules.classes or rules.names or rules.patterns):
+        return None
+    return rules.get_config()
+
+
+def _restore_model_choices(model, choices):
+    """Applies `_model_choices` (popped from a config) to a loaded `model`."""
+    if "dtype" in choices:
+        model.dtype_policy = keras.dtype_policies.deserialize(choices["dtype"])
+    if "keep_float32" in choices:
+        _keep_float32_on(model, _Float32Rules.from_config(choices["keep_float32"]))
+    return model
 
 
 def _layer_label(layer):

@@ -127,17 +127,18 @@ class _WrappedModel(model_module.Model):
             return self.wrapped(inputs)
 
     def get_config(self):
-        return {
+        return model_module._with_keep_float32({
             "model": keras.saving.serialize_keras_object(self.wrapped),
             "policy": self._kmp_wrapped_policy,
             "name": self.name,
-        }
+        }, self)
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        entries = config.pop("keep_float32", None)
         config["model"] = keras.saving.deserialize_keras_object(config["model"])
-        return cls(**config)
+        return model_module._restore_keep_float32(cls(**config), entries)
 
 
 def _following_layers(model, policy):
@@ -189,6 +190,43 @@ def _compile_like(converted, model):
     # model gets kmp's default, scaling exactly when it computes in float16.
     loss_scale = config.pop("loss_scale", "auto")
     converted.compile(optimizer=optimizer, loss_scale=loss_scale, **config)
+
+
+def _check_convertible(model):
+    """Raises for a model kmp.convert cannot bring along as it is.
+
+    A model without `call()` cannot run under kmp's model; one with its own
+    `train_step` (a GAN, a VAE) or, when it is not functional, its own
+    `compile` would lose them in kmp's. Both are one change away: derive the
+    class from `kmp.Model` instead of `keras.Model`.
+    """
+    cls = type(model)
+    fix = (
+        f"Derive it from kmp.Model instead: `class {cls.__name__}(kmp.Model): ...` "
+        "and call kmp.set_policy(...) before building it. kmp then wraps every "
+        "optimizer it holds and reports each; add "
+        "`loss = self.<optimizer>.scale_loss(loss)` inside each GradientTape."
+    )
+    functional = isinstance(model, (_keras_internals.Functional, keras.Sequential))
+    if not functional and cls.call is keras.Model.call:
+        raise TypeError(
+            f"kmp.convert runs the model it converts, but {cls.__name__} "
+            f"({model.name!r}) defines no call(): it trains only through its own "
+            f"train_step. {fix}"
+        )
+    if isinstance(model, model_module.Model):
+        return  # rebuilt as its own class: its train_step and compile stay
+    own = [
+        name for name in ("train_step", "compile")
+        if getattr(cls, name) is not getattr(keras.Model, name)
+        and (name == "train_step" or not functional)
+    ]
+    if own:
+        raise TypeError(
+            f"kmp.convert would replace {cls.__name__}'s own "
+            f"{' and '.join(f'`{name}`' for name in own)} with kmp.Model's, and "
+            f"{cls.__name__}'s training would no longer be its own. {fix}"
+        )
 
 
 def convert(model, policy=None, keep_float32=None, compile=True):
@@ -266,10 +304,21 @@ def convert(model, policy=None, keep_float32=None, compile=True):
         policy_module._global_keep_float32.check_names(
             model, argument="keep_float32 of kmp.set_policy"
         )
+    _check_convertible(model)
     source = getattr(model.dtype_policy, "name", None)
     with _keras_policy(target.name):
         if isinstance(model, (_keras_internals.Functional, keras.Sequential)):
-            converted = _as_kmp_model(_rebuild(model, source, target.name))
+            try:
+                converted = _as_kmp_model(_rebuild(model, source, target.name))
+            except Exception as error:  # not rebuildable from its config: wrap it
+                warnings.warn(
+                    f"kmp.convert could not rebuild {model.name!r} faithfully "
+                    f"from its config ({type(error).__name__}: {error}); the "
+                    "result wraps it and shares its weights, so training the "
+                    "result trains the original. Register its custom layers "
+                    "(@keras.saving.register_keras_serializable()) to get a copy."
+                )
+                converted = _WrappedModel(model, policy=target.name)
         else:
             try:
                 clone = _rebuild(model, source, target.name)

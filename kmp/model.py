@@ -359,6 +359,37 @@ class Model(keras.Model):
 Model.train_step = _train_step.reporting_scalers(Model.train_step, own=True)
 
 
+def _with_keep_float32(config, model):
+    """`config` plus the model's `keep_float32` rules, when it has any."""
+    rules = getattr(model, "_kmp_keep_float32", None)
+    if rules:
+        config = dict(config, keep_float32=rules.to_config())
+    return config
+
+
+def _restore_keep_float32(model, entries):
+    if entries:
+        # object.__setattr__: Keras would track the rules as state.
+        object.__setattr__(
+            model, "_kmp_keep_float32", policy_module._Float32Rules.from_config(entries)
+        )
+    return model
+
+
 @keras.saving.register_keras_serializable(package="kmp", name="FunctionalModel")
 class FunctionalModel(Model, _keras_internals.Functional):
-    """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model."""
+    """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model.
+
+    Its config carries the layers kmp keeps in float32 (`keep_float32` of
+    `kmp.convert`), so a `.keras` round trip keeps them.
+    """
+
+    def get_config(self):
+        return _with_keep_float32(super().get_config(), self)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        entries = config.pop("keep_float32", None)
+        model = super().from_config(config, custom_objects=custom_objects)
+        return _restore_keep_float32(model, entries)

@@ -460,6 +460,37 @@ class _Float32Rules:
                 )
         return cls(classes, names, patterns)
 
+    def to_config(self):
+        """The entries as `parse` takes them back, classes by registered name
+        (`"class:..."`): what a `.keras` file stores."""
+        return (
+            [f"class:{keras.saving.get_registered_name(c)}" for c in self.classes]
+            + list(self.names)
+            + [f"re:{p.pattern}" for p in self.patterns]
+        )
+
+    @classmethod
+    def from_config(cls, entries):
+        resolved = []
+        for entry in entries or ():
+            if isinstance(entry, str) and entry.startswith("class:"):
+                name = entry[len("class:"):]
+                layer_class = keras.saving.get_registered_object(name) or getattr(
+                    keras.layers, name, None
+                )
+                if layer_class is None:
+                    raise ValueError(
+                        f"keep_float32 names the layer class {name!r}, which is "
+                        "not registered: decorate it with "
+                        "@keras.saving.register_keras_serializable() before loading."
+                    )
+                entry = layer_class
+            resolved.append(entry)
+        return cls.parse(resolved)
+
+    def __bool__(self):
+        return bool(self.classes or self.names or self.patterns)
+
     def __add__(self, other):
         if other is None:
             return self

@@ -27,6 +27,7 @@ present from Keras 3.10 to 3.15):
 | `ModelCheckpoint._get_file_path`, `_should_save_model`; `BackupAndRestore._training_metadata_path`, `_initial_epoch` | `checkpoint.py` | resume where Keras' own callbacks keep their state |
 """
 
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.export.export_utils import get_input_signature
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer
@@ -40,6 +41,7 @@ __all__ = [
     "Trainer",
     "functional_init_arguments",
     "get_input_signature",
+    "in_symbolic_scope",
     "is_remote_path",
     "no_automatic_dependency_tracking",
     "print_msg",

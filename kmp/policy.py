@@ -668,14 +668,24 @@ _NO_INSTANCE_CALL = object()
 
 
 @contextlib.contextmanager
-def _calls_cast_back(layers_to_dtype):
-    """Runs a block with each layer's outputs cast to the dtype given, then restores `call`."""
+def _wrapped_calls(layers_to_wrap):
+    """Runs a block with layers' `call`s wrapped, then restores them.
+
+    The one place kmp changes layers' `call` for a while: float32 islands
+    cast their outputs back (`_calls_cast_back`), embeddings take exact
+    token ids (`kmp/_token_ids.py`). Restored in the reverse order, also
+    when the block raises or a wrap fails halfway.
+
+    Args:
+        layers_to_wrap: Dict from layer to a function that takes the
+            layer's current `call` and returns the one to run in the block.
+    """
     previous = []
     try:
-        for layer, dtype in layers_to_dtype.items():
+        for layer, wrap in layers_to_wrap.items():
             previous.append((layer, layer.__dict__.get("call", _NO_INSTANCE_CALL)))
             # object.__setattr__: Keras would track the function.
-            object.__setattr__(layer, "call", _casting_back(layer.call, dtype))
+            object.__setattr__(layer, "call", wrap(layer.call))
         yield
     finally:
         for layer, call in reversed(previous):
@@ -683,6 +693,16 @@ def _calls_cast_back(layers_to_dtype):
                 layer.__dict__.pop("call", None)
             else:
                 object.__setattr__(layer, "call", call)
+
+
+def _calls_cast_back(layers_to_dtype):
+    """Runs a block with each layer's outputs cast to the dtype given, then restores `call`."""
+    return _wrapped_calls(
+        {
+            layer: (lambda call, dtype=dtype: _casting_back(call, dtype))
+            for layer, dtype in layers_to_dtype.items()
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -696,10 +716,20 @@ def _float32_islands(model, rules=None):
     is restored on exit, so the layers are changed only while the model
     runs (and while `fit` traces it): a model that shares layers with
     `model` is never affected.
+
+    Token ids that reach an embedding as floats are kept exact for the same
+    block (`kmp/_token_ids.py`): a 16-bit cast would round ids above 2048
+    (float16) or 256 (bfloat16) to other ids.
     """
+    # Imported here: kmp._token_ids reads this module's helpers.
+    from kmp import _token_ids
+
     plan = _float32_plan(model, rules)
     # Read before the switch: the dtype each island hands on.
     islands = {layer: layer.compute_dtype for layer, role, _ in plan if role == "island"}
     with _layer_policies({layer: "float32" for layer, _, _ in plan}):
         with _calls_cast_back(islands):
-            yield
+            # Planned after the switch: a layer inside an island computes
+            # in float32, which holds ids exactly up to 2**24.
+            with _token_ids.keep_exact(model):
+                yield

@@ -44,6 +44,7 @@ import warnings
 import keras
 
 from kmp import _keras_internals
+from kmp import policy as policy_module
 
 # The largest integer below which every integer is exact: 2**(significand
 # bits + 1). float16 has 10 stored significand bits, bfloat16 7.
@@ -138,7 +139,8 @@ def _cast_arguments(layer_class):
         else:
             continue
         name = _parameter_cast(casted, parameters)
-        if name is not None and "mask" not in name and any(_is_integer_dtype(dtype) for dtype in dtypes):
+        integer = any(_is_integer_dtype(dtype) for dtype in dtypes)
+        if name is not None and "mask" not in name and integer:
             names.add(name)
     return tuple(name for name in _call_parameters(layer_class) if name in names)
 
@@ -199,11 +201,9 @@ def holds_id_layer(layer, memo=None):
 
 def warning_message(layer, dtype):
     """What kmp warns when ids reach `layer` already rounded to `dtype`."""
-    from kmp.policy import _layer_label
-
     size = vocabulary_size(layer)
     return _WARNING.format(
-        layer=_layer_label(layer),
+        layer=policy_module._layer_label(layer),
         class_name=type(layer).__name__,
         dtype=dtype,
         largest=LARGEST_EXACT_INTEGER[dtype],
@@ -279,8 +279,6 @@ def _warn_once(layer, dtype):
 
 def _plan(model):
     """`(holders, id_layers)` of `model`, as the module docstring says."""
-    from kmp.policy import _can_change_policy
-
     memo, holders, id_layers, seen = {}, [], {}, set()
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if id(layer) in seen:
@@ -293,7 +291,7 @@ def _plan(model):
             holds_id_layer(layer, memo)
             and layer.autocast
             and _computes_in_sixteen_bits(layer)
-            and _can_change_policy(layer)
+            and policy_module._can_change_policy(layer)
         ):
             holders.append(layer)
     return holders, id_layers
@@ -306,9 +304,6 @@ def keep_exact(model):
     See the module docstring. A model with no layer in 16 bits is left as it
     is.
     """
-    from kmp.policy import _layer_policies
-    from kmp.policy import _wrapped_calls
-
     layers = model._flatten_layers(include_self=True, recursive=True)
     if not any(_computes_in_sixteen_bits(layer) for layer in layers):
         yield
@@ -326,7 +321,7 @@ def keep_exact(model):
         for layer, names in id_layers.items()
     }
     try:
-        with _layer_policies(policies), _wrapped_calls(wrappers):
+        with policy_module._layer_policies(policies), policy_module._wrapped_calls(wrappers):
             yield
     finally:
         wide_sources.clear()

@@ -221,7 +221,8 @@ def test_ids_rounded_before_the_embedding_warn_once_with_the_fix():
 def test_bfloat16_warning_names_its_largest_exact_id():
     kmp.set_policy("mixed_bfloat16")
     model = _rounded_before_the_embedding(500)
-    with pytest.warns(UserWarning, match=r"bfloat16, which holds integers exactly only up to 256") as caught:
+    expected = r"bfloat16, which holds integers exactly only up to 256"
+    with pytest.warns(UserWarning, match=expected) as caught:
         model(np.full((1, MAXLEN), 257.0, "float32"))
     assert "257 becomes 256" in str(caught[0].message)
     assert 'keras.Input(shape=..., dtype="int32")' in str(caught[0].message)
@@ -307,7 +308,8 @@ def test_the_source_reading_finds_ids_not_masks_comparisons_or_floats():
 )
 def test_diagnose_lists_float_ids_rounded_by_a_16_bit_cast(policy, largest):
     model = _classifier(keras.Model)
-    findings = [f for f in kmp.diagnose(model, policy=policy).findings if f["check"] == "token ids"]
+    report = kmp.diagnose(model, policy=policy)
+    findings = [f for f in report.findings if f["check"] == "token ids"]
     assert [f["layer"] for f in findings] == ["embed"]
     message = findings[0]["message"]
     assert f"exactly only up to {largest}:" in message
@@ -320,6 +322,15 @@ def test_diagnose_says_what_a_kmp_model_keeps_and_skips_integer_ids():
     kmp_findings = kmp.diagnose(_classifier(), policy="mixed_float16").findings
     (finding,) = [f for f in kmp_findings if f["check"] == "token ids"]
     assert "A kmp.Model hands the float32 ids on to the embedding unrounded" in finding["message"]
+    rounded_before = kmp.diagnose(
+        _rounded_before_the_embedding(VOCABULARY), policy="mixed_float16"
+    )
+    (finding,) = [f for f in rounded_before.findings if f["check"] == "token ids"]
+    assert finding["layer"] == "token_embedding"
+    assert "but they arrive as float16, which holds integers exactly only up to 2048" in (
+        finding["message"]
+    )
+    assert "kmp.Model" not in finding["message"]  # kmp cannot undo this one
     integer_model = _classifier(keras.Model, dtype="int32")
     assert not [
         f

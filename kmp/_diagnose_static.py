@@ -2,7 +2,8 @@
 
 Epsilons below float16's smallest normal, constants that overflow float16
 (a `-1e9` mask) in a custom layer's `call()`, exponentials, norms and sums of
-squares computed in float16 without a cast to float32, and model outputs that
+squares computed in float16 without a cast to float32, token ids that reach an
+embedding as floats and are rounded by a 16-bit cast, and model outputs that
 are not float32.
 """
 
@@ -12,6 +13,7 @@ import textwrap
 
 import keras
 
+from kmp import _token_ids
 from kmp._float16 import FLOAT16_SMALLEST_NORMAL
 from kmp._float16 import OVERFLOW_AT
 
@@ -102,6 +104,7 @@ def static_findings(model, reduced):
                     "(keras.ops.cast(x, 'float32')) and the result back, or "
                     "give the layer dtype='float32'",
                 ))
+    findings.extend(_token_id_findings(model, reduced))
     findings.extend(_output_findings(model, reduced))
     return findings
 
@@ -202,4 +205,62 @@ def _output_findings(model, reduced):
                 "end the model with keras.layers.Activation('linear', "
                 "dtype='float32'), or build it as a kmp.Model",
             ))
+    return findings
+
+
+def _token_id_findings(model, reduced):
+    """Layers of the graph that cast float ids to integers after a 16-bit cast.
+
+    A layer of `reduced`'s graph that is, or holds, a layer casting its input
+    to integer ids (`kmp._token_ids.id_arguments`), whose first input is
+    floating and either 16-bit already or cast to 16 bits by the layer's own
+    autocast. Skipped where every id is exact anyway (an embedding of at
+    most 2049 rows in float16, 257 in bfloat16).
+    """
+    from kmp.model import Model
+
+    findings, memo = [], {}
+    for layer in _all_layers(reduced):
+        if not _token_ids.holds_id_layer(layer, memo):
+            continue
+        try:
+            inputs = keras.tree.flatten(layer.input)
+        except (AttributeError, ValueError):
+            continue  # Called inside another layer, not by the graph.
+        if not inputs or not hasattr(inputs[0], "dtype"):
+            continue
+        arriving = keras.backend.standardize_dtype(inputs[0].dtype)
+        compute = keras.backend.standardize_dtype(layer.compute_dtype)
+        if arriving in _token_ids.LARGEST_EXACT_INTEGER:
+            rounded, kmp_keeps = arriving, False
+        elif (
+            keras.backend.is_float_dtype(arriving)
+            and layer.autocast
+            and compute in _token_ids.LARGEST_EXACT_INTEGER
+        ):
+            rounded, kmp_keeps = compute, isinstance(model, Model)
+        else:
+            continue
+        if not _token_ids.can_round(layer, rounded):
+            continue
+        size = _token_ids.vocabulary_size(layer)
+        largest = _token_ids.LARGEST_EXACT_INTEGER[rounded]
+        message = (
+            "casts its input to integer ids"
+            + (f" (an embedding of {size} rows)" if size is not None else "")
+            + f", but they arrive as {arriving}"
+            + (f" and are cast to {rounded}" if arriving != rounded else "")
+            + f", which holds integers exactly only up to {largest}: a larger "
+            f"id rounds to another ({largest + 1} becomes {largest}) and picks "
+            "another embedding row, or one past the vocabulary."
+        )
+        if kmp_keeps:
+            message += (
+                " A kmp.Model hands the float32 ids on to the embedding "
+                "unrounded; the same layers in a keras.Model do not."
+            )
+        findings.append(_finding(
+            "token ids", layer, message,
+            'feed the ids as integers: keras.Input(shape=..., dtype="int32")',
+        ))
     return findings

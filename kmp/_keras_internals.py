@@ -19,14 +19,16 @@ present from Keras 3.10 to 3.15):
 | `Optimizer._get_variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
 | `Optimizer._overwrite_variable_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
 | TF `Optimizer._all_reduce_sum_gradients` | `_replicas.py` | switched off while kmp applies gradients it summed already (one all-reduce per step) |
-| `Layer._flatten_layers` | `policy.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
+| `Layer._flatten_layers` | `policy.py`, `_token_ids.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
 | `Layer._call_has_training_arg` | `convert.py` | call a wrapped model as Keras would |
 | `Layer._dtype_policy` | `policy.py` | set a layer's policy without Keras' once-only checks |
+| `DTypePolicy.convert_input` (overridden) | `_token_ids.py` | Keras' autocast of a layer's inputs: remember the float32 ids behind each 16-bit cast |
 | `KerasTensor._keras_history` | `_diagnose_static.py` | which layer produced a functional model's tensor |
 | `Model._distribute_strategy`, `Model._symbolic_build` | `model.py`, `distribute.py` | build across workers, where Keras' own build fails |
 | `ModelCheckpoint._get_file_path`, `_should_save_model`; `BackupAndRestore._training_metadata_path`, `_initial_epoch` | `checkpoint.py` | resume where Keras' own callbacks keep their state |
 """
 
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.export.export_utils import get_input_signature
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer
@@ -40,6 +42,7 @@ __all__ = [
     "Trainer",
     "functional_init_arguments",
     "get_input_signature",
+    "in_symbolic_scope",
     "is_remote_path",
     "no_automatic_dependency_tracking",
     "print_msg",

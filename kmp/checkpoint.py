@@ -34,6 +34,7 @@ restore: read training_metadata.json -> load the file it names, strictly:
 """
 
 import glob
+import hashlib
 import json
 import numbers
 import os
@@ -110,6 +111,28 @@ def write_atomically(filepath, write):
         raise
     _fsync_path(directory or ".", directory=True)
     return filepath
+
+
+def _sha256(filepath):
+    digest = hashlib.sha256()
+    with open(filepath, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_sha256(filepath, expected):
+    """Raises `ValueError` naming `filepath` when its SHA-256 is not `expected`."""
+    if expected is None or not os.path.exists(filepath):
+        return
+    actual = _sha256(filepath)
+    if actual != expected:
+        raise ValueError(
+            f"The backup {filepath!r} is damaged: its SHA-256 is {actual}, but "
+            f"the backup metadata recorded {expected} when it was written. "
+            "Refusing to resume from it. Delete the backup directory to start "
+            "over, or restore the file from a copy."
+        )
 
 
 def _load_weights_strictly(model, filepath):
@@ -278,10 +301,19 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             if self.model.optimizer is not None and not self.model.optimizer.built:
                 self.model.optimizer.build(self.model.trainable_variables)
             try:
+                # HDF5 keeps no checksum of the data: a flipped bit would
+                # restore silently. Backups from before checksums have none.
+                _check_sha256(weights_path, candidate.get("sha256"))
                 _load_weights_strictly(self.model, weights_path)
             except (OSError, ValueError) as error:
                 errors.append(f"{weights_path}: {error}")
                 continue
+            if errors:
+                warnings.warn(
+                    "BackupAndRestore resumed from the previous backup "
+                    f"{weights_path!r} (epoch {candidate['epoch']}): the latest "
+                    f"could not be restored. {'; '.join(errors)}"
+                )
             self.model._initial_epoch = candidate["epoch"]
             self._pending_monitor_states = candidate.get("monitors")
             return
@@ -350,6 +382,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             "epoch": self._current_epoch,
             "batch": self._last_batch_seen,
             "weights": weights_name,
+            "sha256": _sha256(os.path.join(self.backup_dir, weights_name)),
             "monitors": [_monitor_state(monitor) for monitor in self.monitors],
         }
         previous = self._read_metadata() if self.double_checkpoint else None

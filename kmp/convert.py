@@ -102,14 +102,11 @@ class _WrappedModel(model_module.Model):
     switched to `policy` for each call and switched back after.
     """
 
-    def __init__(self, model, policy=None, keep_float32=None, **kwargs):
+    def __init__(self, model, policy=None, **kwargs):
         kwargs.setdefault("name", model.name)
         super().__init__(**kwargs)
         self.wrapped = model
         self._kmp_wrapped_policy = policy
-        if keep_float32 is not None:
-            rules = policy_module._Float32Rules.parse(keep_float32)
-            policy_module._keep_float32_on(self, rules)
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", **kwargs):
         # "auto" reads the layers' dtypes, which are the policy's only while
@@ -119,58 +116,62 @@ class _WrappedModel(model_module.Model):
         super().compile(optimizer, *args, loss_scale=loss_scale, **kwargs)
 
     @contextlib.contextmanager
-    def _kmp_under_policy(self):
-        """The wrapped model's layers under the policy and the kept layers in
-        float32, for a call or a step of the user's that calls sublayers."""
-        with contextlib.ExitStack() as stack:
-            if self._kmp_wrapped_policy is not None:
-                stack.enter_context(
-                    policy_module._layer_policies(
-                        _following_layers(self.wrapped, self._kmp_wrapped_policy)
-                    )
-                )
-            # Planned after the switch: before it, the layers kmp keeps in
-            # float32 may not have been 16-bit at all.
-            stack.enter_context(
-                policy_module._float32_islands(
-                    self.wrapped, getattr(self, "_kmp_keep_float32", None)
-                )
-            )
-            yield
+    def _kmp_switched(self):
+        """The wrapped model's layers under the policy, for a step of the
+        model's own that calls them directly (a GAN's `self.generator`)."""
+        if self._kmp_wrapped_policy is None or getattr(self, "_kmp_switching", False):
+            yield  # a copy: its layers are under the policy already
+            return
+        # object.__setattr__: Keras would track the flag as state.
+        object.__setattr__(self, "_kmp_switching", True)
+        try:
+            with policy_module._layer_policies(
+                _following_layers(self.wrapped, self._kmp_wrapped_policy)
+            ):
+                yield
+        finally:
+            object.__setattr__(self, "_kmp_switching", False)
 
     def call(self, inputs, training=None):
-        with self._kmp_under_policy():
+        with contextlib.ExitStack() as stack:
+            if self._kmp_wrapped_policy is not None and not getattr(
+                self, "_kmp_switching", False
+            ):
+                stack.enter_context(self._kmp_switched())
+                # Planned after the switch: before it, the layers kmp keeps in
+                # float32 may not have been 16-bit at all. (Within a switched
+                # step, kmp.Model's call planned them already.)
+                stack.enter_context(
+                    policy_module._float32_islands(
+                        self.wrapped, getattr(self, "_kmp_keep_float32", None)
+                    )
+                )
             if self.wrapped._call_has_training_arg:
                 return self.wrapped(inputs, training=training)
             return self.wrapped(inputs)
 
     def get_config(self):
-        config = {
+        return model_module._with_keep_float32({
             "model": keras.saving.serialize_keras_object(self.wrapped),
             "model_policy": self.wrapped.dtype_policy.name,
             "policy": self._kmp_wrapped_policy,
             "name": self.name,
-        }
-        rules = policy_module._keep_float32_config(self)
-        if rules is not None:
-            config["keep_float32"] = rules
-        return config
+        }, self)
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        entries = config.pop("keep_float32", None)
         # Loaded under the global policy it was built under (a copy: the
         # converted policy): a subclassed model's layers take the global
         # policy of the moment, which its config does not record.
         with _keras_policy(config.pop("model_policy", None)):
             model = keras.saving.deserialize_keras_object(config.pop("model"))
-        if "keep_float32" in config:
-            config["keep_float32"] = policy_module._Float32Rules.from_config(
-                config["keep_float32"]
-            )
         # Not `cls`: a wrapper that keeps the model's own training methods
         # has a class made for the model's class (see `_wrapper_class`).
-        return _wrapper_class(model)(model, **config)
+        return model_module._restore_keep_float32(
+            _wrapper_class(model)(model, **config), entries
+        )
 
 
 # The methods a model's author writes to train it their own way (keras.io's
@@ -243,7 +244,7 @@ def _wrapped_attribute(self, name):
 def _under_policy(step):
     @functools.wraps(step)
     def step_under_policy(self, *args, **kwargs):
-        with self._kmp_under_policy():
+        with self._kmp_switched():
             return step(self, *args, **kwargs)
 
     return step_under_policy
@@ -459,7 +460,8 @@ def convert(model, policy=None, keep_float32=None, compile=True):
     source = getattr(model.dtype_policy, "name", None)
     with _keras_policy(target.name):
         converted = _converted(model, source, target.name)
-    policy_module._keep_float32_on(converted, rules)
+    # object.__setattr__: Keras would track the rules as state.
+    object.__setattr__(converted, "_kmp_keep_float32", rules)
     if compile and getattr(model, "compiled", False):
         if "compile" in _own_training_methods(model):
             warnings.warn(
@@ -485,8 +487,8 @@ def _converted(model, source, target):
         if len(reason) > 300:  # Keras' messages can hold a whole config
             reason = reason[:300] + " ..."
         warnings.warn(
-            f"kmp.convert could not rebuild {model.name!r} "
-            f"({type(model).__name__}) faithfully from its config ({reason}); "
+            f"kmp.convert could not rebuild {model.name!r} faithfully from "
+            f"its config ({reason}); "
             "the result wraps it and shares its weights, so training the "
             "result trains the original. For a copy instead, give each custom "
             "layer and model a get_config() that describes it fully and "
@@ -502,16 +504,17 @@ def _converted(model, source, target):
 
 
 def _check_has_call(model):
-    if type(model).call is keras.Model.call:
+    """Raises for a model without `call()`, which kmp's model cannot run."""
+    cls = type(model)
+    if cls.call is keras.Model.call:
         raise TypeError(
-            "kmp.convert runs a model through its call(), and "
-            f"{type(model).__name__} defines none. Define call() with the "
-            "model's forward pass, or leave kmp.convert out: build the model "
-            "as a subclass of kmp.Model (not keras.Model) after "
-            "kmp.set_policy(...), and its own train_step runs under the "
-            "policy with loss scaling. Received: "
-            f"model={model.name!r} of class {type(model).__name__}, which has "
-            "no call()"
+            f"kmp.convert runs the model it converts, but {cls.__name__} "
+            f"({model.name!r}) defines no call(). Define call() with the model's "
+            f"forward pass, or derive the class from kmp.Model instead: `class "
+            f"{cls.__name__}(kmp.Model): ...` and call kmp.set_policy(...) "
+            "before building it. kmp then wraps every optimizer it holds and "
+            "reports each; add `loss = self.<optimizer>.scale_loss(loss)` "
+            "inside each GradientTape."
         )
 
 

@@ -4,7 +4,8 @@
 float32 and in the reduced compute dtype (no weight update), measures every
 layer against float16's range, and checks the model's code for the usual
 hazards (tiny epsilons, -1e9 masks, exponentials and sums of squares in
-float16, 16-bit outputs) without any data.
+float16, float token ids rounded by a 16-bit cast, 16-bit outputs) without
+any data.
 
 This module checks the arguments and copies the model; the measurements are
 in `kmp/_diagnose_probe.py`, the static checks in `kmp/_diagnose_static.py`
@@ -68,7 +69,10 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     smallest normal (6.1e-5) in layers that add them in float16, constants
     that overflow float16 (a `-1e9` mask) in custom layers, custom layers
     that compute an exponential, softmax, norm or sum of squares in float16
-    without a cast to float32, and model outputs that are not float32.
+    without a cast to float32, token ids fed as floats that a 16-bit cast
+    rounds before an embedding (`"token ids"`: float16 holds integers
+    exactly only up to 2048, bfloat16 up to 256), and model outputs that are
+    not float32.
 
     Args:
         model: A built functional or `Sequential` `keras.Model` (a

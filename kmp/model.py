@@ -359,22 +359,46 @@ class Model(keras.Model):
 Model.train_step = _train_step.reporting_scalers(Model.train_step, own=True)
 
 
+def _with_keep_float32(config, model):
+    """`config` plus the model's `keep_float32` rules, when it has any."""
+    rules = getattr(model, "_kmp_keep_float32", None)
+    if rules:
+        config = dict(config, keep_float32=rules.to_config())
+    return config
+
+
+def _restore_keep_float32(model, entries):
+    if entries:
+        # object.__setattr__: Keras would track the rules as state.
+        object.__setattr__(
+            model, "_kmp_keep_float32", policy_module._Float32Rules.from_config(entries)
+        )
+    return model
+
+
 @keras.saving.register_keras_serializable(package="kmp", name="FunctionalModel")
 class FunctionalModel(Model, _keras_internals.Functional):
-    """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model."""
+    """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model.
+
+    Its config carries the layers kmp keeps in float32 (`keep_float32` of
+    `kmp.convert`) and the model's own policy, so a `.keras` round trip keeps
+    them.
+    """
 
     def get_config(self):
-        config = super().get_config()
+        config = _with_keep_float32(super().get_config(), self)
         if "layers" in config:  # a functional config, which from_config below reads
-            # The model's own policy and keep_float32, which Keras leaves out.
-            config.update(policy_module._model_choices(self))
+            # Keras leaves it out: a loaded functional model would take the
+            # global policy of the moment, whatever it was saved with.
+            config["dtype"] = keras.dtype_policies.serialize(self.dtype_policy)
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        choices = {
-            key: config.pop(key) for key in policy_module._MODEL_CHOICE_KEYS if key in config
-        }
+        entries = config.pop("keep_float32", None)
+        dtype = config.pop("dtype", None)
         model = super().from_config(config, custom_objects=custom_objects)
-        return policy_module._restore_model_choices(model, choices)
+        if dtype is not None:
+            model.dtype_policy = keras.dtype_policies.deserialize(dtype)
+        return _restore_keep_float32(model, entries)

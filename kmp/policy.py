@@ -460,6 +460,37 @@ class _Float32Rules:
                 )
         return cls(classes, names, patterns)
 
+    def to_config(self):
+        """The entries as `parse` takes them back, classes by registered name
+        (`"class:..."`): what a `.keras` file stores."""
+        return (
+            [f"class:{keras.saving.get_registered_name(c)}" for c in self.classes]
+            + list(self.names)
+            + [f"re:{p.pattern}" for p in self.patterns]
+        )
+
+    @classmethod
+    def from_config(cls, entries):
+        resolved = []
+        for entry in entries or ():
+            if isinstance(entry, str) and entry.startswith("class:"):
+                name = entry[len("class:"):]
+                layer_class = keras.saving.get_registered_object(name) or getattr(
+                    keras.layers, name, None
+                )
+                if layer_class is None:
+                    raise ValueError(
+                        f"keep_float32 names the layer class {name!r}, which is "
+                        "not registered: decorate it with "
+                        "@keras.saving.register_keras_serializable() before loading."
+                    )
+                entry = layer_class
+            resolved.append(entry)
+        return cls.parse(resolved)
+
+    def __bool__(self):
+        return bool(self.classes or self.names or self.patterns)
+
     def __add__(self, other):
         if other is None:
             return self
@@ -483,45 +514,6 @@ class _Float32Rules:
                 return repr("re:" + pattern.pattern)
         return None
 
-    def get_config(self):
-        """The rules as JSON, for a model's config: classes by registered name."""
-        return {
-            "classes": [keras.saving.get_registered_name(cls) for cls in self.classes],
-            "names": list(self.names),
-            "patterns": [pattern.pattern for pattern in self.patterns],
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        """The rules `get_config` returned; classes looked up as Keras would.
-
-        Raises:
-            ValueError: for a class Keras cannot locate (not registered, not
-                in `custom_objects`, not a `keras.layers` class).
-        """
-        classes = []
-        for name in config.get("classes", ()):
-            # Registered classes and load_model's custom_objects, then Keras'.
-            layer_class = keras.saving.get_registered_object(
-                name, module_objects=vars(keras.layers)
-            )
-            if not (
-                isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)
-            ):
-                raise ValueError(
-                    f"The saved `keep_float32` names the layer class {name!r}, "
-                    "which Keras cannot locate. Register it with "
-                    "`@keras.saving.register_keras_serializable()` or pass it "
-                    "in `custom_objects`. Received: keep_float32 class "
-                    f"{name!r}"
-                )
-            classes.append(layer_class)
-        return cls(
-            classes,
-            config.get("names", ()),
-            [re.compile(pattern) for pattern in config.get("patterns", ())],
-        )
-
     def check_names(self, model, argument="keep_float32"):
         """Raises `ValueError` for an exact name no layer of `model` has."""
         layers = list(model._flatten_layers(include_self=False, recursive=True))
@@ -536,47 +528,6 @@ class _Float32Rules:
                 f"{model.name!r}: {', '.join(sorted(known))}. Use a class or "
                 "a 're:' pattern to name layers the model may not have."
             )
-
-
-def _keep_float32_on(model, rules):
-    """Gives `model` its own `keep_float32` rules (a `_Float32Rules`)."""
-    # object.__setattr__: Keras would track the rules as state.
-    object.__setattr__(model, "_kmp_keep_float32", rules)
-
-
-# The keys `_model_choices` adds to a functional model's config.
-_MODEL_CHOICE_KEYS = ("dtype", "keep_float32")
-
-
-def _model_choices(model):
-    """What kmp chose for `model` that Keras' functional config leaves out.
-
-    The model's own policy (Keras gives a loaded functional model the global
-    policy of the moment, whatever it was saved with) and its
-    `keep_float32` rules (kept layers would compute in 16 bits again).
-    """
-    choices = {"dtype": keras.dtype_policies.serialize(model.dtype_policy)}
-    rules = _keep_float32_config(model)
-    if rules is not None:
-        choices["keep_float32"] = rules
-    return choices
-
-
-def _keep_float32_config(model):
-    """`model`'s own `keep_float32` rules as config, or `None` if it has none."""
-    rules = getattr(model, "_kmp_keep_float32", None)
-    if rules is None or not (rules.classes or rules.names or rules.patterns):
-        return None
-    return rules.get_config()
-
-
-def _restore_model_choices(model, choices):
-    """Applies `_model_choices` (popped from a config) to a loaded `model`."""
-    if "dtype" in choices:
-        model.dtype_policy = keras.dtype_policies.deserialize(choices["dtype"])
-    if "keep_float32" in choices:
-        _keep_float32_on(model, _Float32Rules.from_config(choices["keep_float32"]))
-    return model
 
 
 def _layer_label(layer):
@@ -717,14 +668,24 @@ _NO_INSTANCE_CALL = object()
 
 
 @contextlib.contextmanager
-def _calls_cast_back(layers_to_dtype):
-    """Runs a block with each layer's outputs cast to the dtype given, then restores `call`."""
+def _wrapped_calls(layers_to_wrap):
+    """Runs a block with layers' `call`s wrapped, then restores them.
+
+    The one place kmp changes layers' `call` for a while: float32 islands
+    cast their outputs back (`_calls_cast_back`), embeddings take exact
+    token ids (`kmp/_token_ids.py`). Restored in the reverse order, also
+    when the block raises or a wrap fails halfway.
+
+    Args:
+        layers_to_wrap: Dict from layer to a function that takes the
+            layer's current `call` and returns the one to run in the block.
+    """
     previous = []
     try:
-        for layer, dtype in layers_to_dtype.items():
+        for layer, wrap in layers_to_wrap.items():
             previous.append((layer, layer.__dict__.get("call", _NO_INSTANCE_CALL)))
             # object.__setattr__: Keras would track the function.
-            object.__setattr__(layer, "call", _casting_back(layer.call, dtype))
+            object.__setattr__(layer, "call", wrap(layer.call))
         yield
     finally:
         for layer, call in reversed(previous):
@@ -732,6 +693,16 @@ def _calls_cast_back(layers_to_dtype):
                 layer.__dict__.pop("call", None)
             else:
                 object.__setattr__(layer, "call", call)
+
+
+def _calls_cast_back(layers_to_dtype):
+    """Runs a block with each layer's outputs cast to the dtype given, then restores `call`."""
+    return _wrapped_calls(
+        {
+            layer: (lambda call, dtype=dtype: _casting_back(call, dtype))
+            for layer, dtype in layers_to_dtype.items()
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -745,10 +716,20 @@ def _float32_islands(model, rules=None):
     is restored on exit, so the layers are changed only while the model
     runs (and while `fit` traces it): a model that shares layers with
     `model` is never affected.
+
+    Token ids that reach an embedding as floats are kept exact for the same
+    block (`kmp/_token_ids.py`): a 16-bit cast would round ids above 2048
+    (float16) or 256 (bfloat16) to other ids.
     """
+    # Imported here: kmp._token_ids reads this module's helpers.
+    from kmp import _token_ids
+
     plan = _float32_plan(model, rules)
     # Read before the switch: the dtype each island hands on.
     islands = {layer: layer.compute_dtype for layer, role, _ in plan if role == "island"}
     with _layer_policies({layer: "float32" for layer, _, _ in plan}):
         with _calls_cast_back(islands):
-            yield
+            # Planned after the switch: a layer inside an island computes
+            # in float32, which holds ids exactly up to 2**24.
+            with _token_ids.keep_exact(model):
+                yield

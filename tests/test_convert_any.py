@@ -1,6 +1,7 @@
 """kmp.convert on any model (issue 16): models with their own compile and
 train_step, models their config cannot rebuild, models without call(), and
-what kmp chose on a model surviving a `.keras` file."""
+what kmp chose on a model (policy, keep_float32, loss scaling) surviving a
+`.keras` file."""
 
 import warnings
 
@@ -14,7 +15,6 @@ from _helpers import DtypeProbe
 import kmp
 from kmp.convert import _WrappedModel
 from kmp.model import FunctionalModel
-from kmp.policy import _Float32Rules
 
 _LATENT = 4
 _FEATURES = 6
@@ -126,7 +126,7 @@ def _compile_gan(gan):
 def test_converted_gan_compiles_with_its_own_arguments_and_trains_as_a_kmp_gan():
     gan = _gan_class(keras.Model)()
     start = gan.get_weights()
-    with pytest.warns(UserWarning, match=r"rebuild 'gan' \(GAN\).*shares its weights"):
+    with pytest.warns(UserWarning, match=r"could not rebuild 'gan' faithfully.*shares its weights"):
         converted = kmp.convert(gan, "mixed_float16")
     assert isinstance(converted, type(gan)) and isinstance(converted, _WrappedModel)
     assert converted.generator is gan.generator  # the GAN's own attributes
@@ -198,101 +198,6 @@ def test_functional_subclass_keeps_its_train_step_on_a_rebuilt_copy():
     assert set(history) >= {"own_step_loss", "loss_scale", "skipped_steps"}
     assert converted.wrapped.get_layer("probe").seen[-1] == "float16"
     assert model.get_layer("probe").dtype_policy.name == "float32"
-
-
-# --- Models their config cannot rebuild ---------------------------------------
-
-
-class TokenAndPositionEmbedding(keras.layers.Layer):
-    """keras.io's text-classification Transformer layer, unregistered."""
-
-    def __init__(self, maxlen, vocab_size, embed_dim, **kwargs):
-        super().__init__(**kwargs)
-        self.token_emb = keras.layers.Embedding(vocab_size, embed_dim)
-        self.pos_emb = keras.layers.Embedding(maxlen, embed_dim)
-
-    def call(self, x):
-        positions = ops.arange(0, ops.shape(x)[-1], 1)
-        return self.token_emb(x) + self.pos_emb(positions)
-
-
-def test_functional_model_with_an_unlocatable_custom_layer_is_wrapped_with_a_warning():
-    inputs = keras.Input((5,), dtype="int32")
-    hidden = TokenAndPositionEmbedding(5, 20, 8)(inputs)
-    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
-    hidden = DtypeProbe(name="probe")(keras.layers.Dense(8, name="hidden")(hidden))
-    model = keras.Model(inputs, keras.layers.Dense(2)(hidden), name="classifier")
-    with pytest.warns(
-        UserWarning,
-        match=r"rebuild 'classifier' \(Functional\).*Could not locate class "
-        r"'TokenAndPositionEmbedding'.*shares its weights",
-    ):
-        converted = kmp.convert(model, "mixed_float16")
-    assert converted.wrapped is model
-    tokens = np.arange(20).reshape(4, 5) % 20
-    outputs = converted(tokens)
-    assert _dtype(outputs) == "float32"
-    assert model.get_layer("probe").seen[-1] == "float16"
-    assert model.get_layer("hidden").dtype_policy.name == "float32"
-    np.testing.assert_allclose(
-        keras.ops.convert_to_numpy(outputs), keras.ops.convert_to_numpy(model(tokens)), atol=2e-2
-    )
-    converted.compile("adam", "sparse_categorical_crossentropy")
-    assert isinstance(converted.optimizer, kmp.LossScaleOptimizer)
-    history = converted.fit(tokens, np.array([0, 1, 0, 1]), verbose=0).history
-    assert np.isfinite(history["loss"][0])
-    assert history["loss_scale"] == [float(converted.optimizer.loss_scale)]
-
-
-def test_keras_hub_backbone_with_lora_is_wrapped_with_a_warning():
-    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test extra")
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=8, name="bert",
-    )
-    backbone.enable_lora(2)
-    tokens = {
-        "token_ids": np.arange(16).reshape(2, 8) % 64,
-        "segment_ids": np.zeros((2, 8), "int32"),
-        "padding_mask": np.ones((2, 8), "int32"),
-    }
-    with pytest.warns(UserWarning, match=r"rebuild 'bert' \(BertBackbone\).*weights differ"):
-        converted = kmp.convert(backbone, "mixed_float16")
-    assert converted.wrapped is backbone
-    outputs = converted(tokens)
-    assert _dtype(outputs["pooled_output"]) == "float32"
-    np.testing.assert_allclose(
-        keras.ops.convert_to_numpy(outputs["pooled_output"]),
-        keras.ops.convert_to_numpy(backbone(tokens)["pooled_output"]),
-        atol=2e-2,
-    )
-    # The LoRA weights are the model's: trained through the wrapper.
-    assert len(converted.trainable_weights) == len(backbone.trainable_weights)
-    assert all(layer.dtype_policy.name == "float32" for layer in backbone._flatten_layers())
-
-
-# --- Models without call() ----------------------------------------------------
-
-
-class VAE(keras.Model):
-    """keras.io's VAE shape: encoder, decoder, its own train_step, no call()."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.encoder = _mlp(_FEATURES, 2 * _LATENT, "encoder")
-        self.decoder = _mlp(_LATENT, _FEATURES, "decoder")
-
-    def train_step(self, data):
-        return {}
-
-
-def test_model_without_call_gets_an_error_naming_what_is_missing_and_what_to_do():
-    with pytest.raises(
-        TypeError,
-        match=r"runs a model through its call\(\), and VAE defines none.*Define call\(\)"
-        r".*subclass of kmp.Model.*Received: model='vae' of class VAE, which has no call\(\)",
-    ):
-        kmp.convert(VAE(name="vae"), "mixed_float16")
 
 
 # --- What kmp chose on a model, through a .keras file --------------------------
@@ -416,11 +321,143 @@ def test_wrapper_keeps_policy_keep_float32_and_its_class_in_a_keras_file(tower, 
         assert history["loss_scale"] == [512.0], how
 
 
-def test_keep_float32_rules_round_trip_and_an_unknown_class_is_named():
-    rules = _Float32Rules.parse(["by_name", KeptByClass, keras.layers.Dense, "re:a.*b"])
-    again = _Float32Rules.from_config(rules.get_config())
-    assert again.classes == (KeptByClass, keras.layers.Dense)
-    assert again.names == ("by_name",)
-    assert [p.pattern for p in again.patterns] == ["a.*b"]
-    with pytest.raises(ValueError, match=r"layer class 'nowhere>Gone', which Keras cannot locate"):
-        _Float32Rules.from_config({"classes": ["nowhere>Gone"]})
+# --- keep_float32 in a .keras file, models Keras cannot rebuild, no call() ---
+
+
+@keras.saving.register_keras_serializable(package="kmp_tests")
+class Doubler(keras.layers.Layer):
+    """Records the dtype it computes in."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def call(self, x):
+        self.seen.append(keras.backend.standardize_dtype(x.dtype))
+        return x * 2.0
+
+
+def _kept_model():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    hidden = DtypeProbe(name="after")(Doubler(name="kept")(hidden))
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden), name="net")
+
+
+def _kept_dtype(model):
+    kept, after = model.get_layer("kept"), model.get_layer("after")
+    model(np.ones((2, 4), "float32"))
+    return kept.seen[-1], after.seen[-1]
+
+
+@pytest.mark.parametrize("loader", ["keras", "kmp"])
+def test_keep_float32_survives_a_keras_file_round_trip(loader, tmp_path):
+    kmp.set_policy("mixed_float16")
+    converted = kmp.convert(_kept_model(), "mixed_float16", keep_float32=["kept"], compile=False)
+    assert _kept_dtype(converted) == ("float32", "float16")
+    path = tmp_path / "model.keras"
+    converted.save(path)
+    kmp.set_policy("float32")  # a fresh process has no policy set
+    load = keras.saving.load_model if loader == "keras" else kmp.load_model
+    loaded = load(path, custom_objects={"DtypeProbe": DtypeProbe})
+    assert _kept_dtype(loaded) == ("float32", "float16")
+    np.testing.assert_allclose(
+        np.asarray(loaded(np.ones((2, 4), "float32"))),
+        np.asarray(converted(np.ones((2, 4), "float32"))),
+    )
+
+
+def test_keep_float32_classes_and_patterns_round_trip_through_the_config():
+    rules = kmp.policy._Float32Rules.parse([Doubler, "kept", "re:hid.*"])
+    again = kmp.policy._Float32Rules.from_config(rules.to_config())
+    assert again.classes == (Doubler,) and again.names == ("kept",)
+    assert [p.pattern for p in again.patterns] == ["hid.*"]
+    with pytest.raises(ValueError, match="not registered"):
+        kmp.policy._Float32Rules.from_config(["class:nowhere>Missing"])
+
+
+class TokenAndPositionEmbedding(keras.layers.Layer):  # not registered, as on keras.io
+    def __init__(self, maxlen, vocab_size, embed_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.token_emb = keras.layers.Embedding(vocab_size, embed_dim)
+        self.pos_emb = keras.layers.Embedding(maxlen, embed_dim)
+
+    def call(self, x):
+        positions = self.pos_emb(keras.ops.arange(0, keras.ops.shape(x)[-1], 1))
+        return self.token_emb(x) + positions
+
+
+def test_a_functional_model_keras_cannot_rebuild_is_wrapped_with_a_warning():
+    inputs = keras.Input((8,), dtype="int32")
+    x = TokenAndPositionEmbedding(8, 50, 4)(inputs)
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inputs, outputs, name="classifier")
+    with pytest.warns(
+        UserWarning,
+        match=r"could not rebuild 'classifier' faithfully.*Could not locate class "
+        r"'TokenAndPositionEmbedding'.*shares its weights",
+    ):
+        converted = kmp.convert(model, "mixed_float16", compile=False)
+    assert isinstance(converted, kmp.Model)
+    tokens = np.arange(16).reshape(2, 8) % 50
+    output = converted(tokens)
+    assert output.dtype == "float32"
+    np.testing.assert_allclose(np.asarray(output), np.asarray(model(tokens)), atol=1e-2)
+    converted.compile(keras.optimizers.SGD(0.01), "mse")
+    assert isinstance(converted.optimizer, kmp.LossScaleOptimizer)
+    converted.fit(tokens, np.zeros((2, 2), "float32"), verbose=0)
+    # The wrapper shares the original's weights: it trains them.
+    np.testing.assert_allclose(np.asarray(converted(tokens)), np.asarray(model(tokens)), atol=1e-2)
+
+
+class KerasVAE(keras.Model):
+    """keras.io's VAE shape: no call(), its own train_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = keras.layers.Dense(2)
+
+    def train_step(self, data):
+        return {}
+
+
+def test_a_model_without_call_is_refused_naming_the_problem():
+    with pytest.raises(TypeError, match=r"KerasVAE \('.*'\) defines no call\(\)") as info:
+        kmp.convert(KerasVAE())
+    assert "class KerasVAE(kmp.Model)" in str(info.value)
+
+
+def test_a_kmp_model_with_its_own_train_step_keeps_it():
+    class Counting(kmp.Model):
+        steps = 0
+
+        def train_step(self, data):
+            Counting.steps += 1
+            return super().train_step(data)
+
+    inputs = keras.Input((4,))
+    model = Counting(inputs, keras.layers.Dense(1)(inputs))
+    converted = kmp.convert(model, "mixed_float16", compile=False)
+    assert type(converted).train_step is Counting.train_step
+
+
+def test_a_keras_hub_backbone_with_lora_is_wrapped_with_a_warning():
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub builds the backbone")
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=8, dropout=0.0,
+    )
+    backbone.enable_lora(rank=2)
+    with pytest.warns(UserWarning, match=r"could not rebuild .* faithfully.*weights differ"):
+        converted = kmp.convert(backbone, "mixed_float16", compile=False)
+    inputs = {
+        "token_ids": np.ones((2, 8), "int32"),
+        "segment_ids": np.zeros((2, 8), "int32"),
+        "padding_mask": np.ones((2, 8), "int32"),
+    }
+    outputs = converted(inputs)
+    assert all(tensor.dtype == "float32" for tensor in tf.nest.flatten(outputs))
+    # LoRA's trainable weights are the original's: the wrapper shares them.
+    assert {id(w) for w in converted.trainable_weights} == {
+        id(w) for w in backbone.trainable_weights
+    }

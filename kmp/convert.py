@@ -117,10 +117,13 @@ class _WrappedModel(model_module.Model):
 
     @contextlib.contextmanager
     def _kmp_switched(self):
-        """The wrapped model's layers under the policy, for a step of the
-        model's own that calls them directly (a GAN's `self.generator`)."""
+        """The wrapped model's layers under the policy, for a call or a step
+        of the model's own that calls them directly (a GAN's
+        `self.generator`). Once: a call inside a switched step is not
+        switched again (nor are its float32 islands planned twice, which
+        would plan token ids twice)."""
         if self._kmp_wrapped_policy is None or getattr(self, "_kmp_switching", False):
-            yield  # a copy: its layers are under the policy already
+            yield  # a copy (its layers are under the policy) or switched already
             return
         # object.__setattr__: Keras would track the flag as state.
         object.__setattr__(self, "_kmp_switching", True)
@@ -510,7 +513,7 @@ def _check_has_call(model):
         raise TypeError(
             f"kmp.convert runs the model it converts, but {cls.__name__} "
             f"({model.name!r}) defines no call(). Define call() with the model's "
-            f"forward pass, or derive the class from kmp.Model instead: `class "
+            "forward pass, or derive the class from kmp.Model instead: `class "
             f"{cls.__name__}(kmp.Model): ...` and call kmp.set_policy(...) "
             "before building it. kmp then wraps every optimizer it holds and "
             "reports each; add `loss = self.<optimizer>.scale_loss(loss)` "

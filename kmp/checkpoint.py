@@ -17,20 +17,45 @@ is atomic on POSIX and Windows. A file with a final name is always complete;
 a kill leaves at most a `*.partial*` file, which is ignored.
 
 `BackupAndRestore` also commits the weights and the epoch together: the
-weights go to a new file, and the metadata, which names that file, is
-replaced after it. A kill between the two leaves the metadata pointing at
-the previous complete backup.
+weights go to a new file, and the metadata, which names that file and its
+SHA-256, is replaced after it. A kill between the two leaves the metadata
+pointing at the previous complete backup. HDF5 keeps no checksum of the
+data it stores, so a flipped bit in a weights file would otherwise load
+silently; the recorded SHA-256 is checked before anything is loaded.
+
+Each process writes and reads one folder of its own, F: `backup_dir` for a
+single process and for the chief of a `MultiWorkerMirroredStrategy`
+cluster, `backup_dir/<task type>-<task id>` (e.g. `worker-1`) for the other
+workers. One `backup_dir` shared by all workers and one `backup_dir` per
+worker therefore behave the same: no process writes, prunes or deletes a
+file in another process's folder.
 
 ```
 save (when the epoch after the backed-up one begins):
-         write weights -> <dir>/.backup-<n>.partial-<pid>.weights.h5, fsync
-         os.replace(partial, <dir>/backup-<n>.weights.h5)
-         write {"epoch", "batch", "weights": "backup-<n>.weights.h5"}
-             -> training_metadata.json (same way: partial, fsync, replace)
-         delete older backup-*.weights.h5
-restore: read training_metadata.json -> load the file it names, strictly:
-         any variable Keras would skip (a mismatch) is an error, not a warning
+         write weights -> F/.backup-<n>.partial-<pid>.weights.h5, fsync,
+             SHA-256 of it; n = the number the metadata names, plus one
+         os.replace(partial, F/backup-<n>.weights.h5)
+         write {"epoch", "batch", "weights": "backup-<n>.weights.h5",
+                "sha256", "monitors", "previous" (optional: the entry before)}
+             -> F/training_metadata.json (same way: partial, fsync, replace)
+         delete F's backup-*.weights.h5 that the metadata does not name, and
+         F's partial files (left by a killed process: F has one writer)
+restore: read F/training_metadata.json
+         several workers: all-gather each worker's latest backup number and
+             restore number m = the lowest on every worker (the others keep
+             the previous backup, so they have m too; see below)
+         check the SHA-256 of the file, then load it strictly: any variable
+             Keras would skip (a mismatch) is an error, not a warning
+         several workers: all-gather whether each restore succeeded, so all
+             raise or none does
 ```
+
+Why the workers can differ by one backup at most, and no more: a worker
+writes its backup of epoch k before its first step of epoch k + 1, and no
+worker can finish that epoch's steps (collectives) and write backup k + 1
+before every worker has started them. So when a worker was killed between
+its own save and another worker's, the latest backups differ by one, and
+every worker still holds the lower one.
 """
 
 import glob
@@ -39,14 +64,21 @@ import json
 import numbers
 import os
 import re
+import shutil
 import warnings
 
 import keras
+import tensorflow as tf
 
 from kmp import _keras_internals
+from kmp import distribute as _distribute
 
 _BACKUP_PATTERN = re.compile(r"^backup-(\d+)\.weights\.h5$")
 _PARTIAL_MARK = ".partial"
+# The folders of the workers other than the chief, inside a shared backup_dir.
+_WORKER_FOLDER_PATTERN = re.compile(r"^(chief|worker)-\d+$")
+# What a worker whose metadata cannot be read reports as its latest backup.
+_UNREADABLE = -2
 
 
 def _split_suffix(filepath):
@@ -113,28 +145,6 @@ def write_atomically(filepath, write):
     return filepath
 
 
-def _sha256(filepath):
-    digest = hashlib.sha256()
-    with open(filepath, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _check_sha256(filepath, expected):
-    """Raises `ValueError` naming `filepath` when its SHA-256 is not `expected`."""
-    if expected is None or not os.path.exists(filepath):
-        return
-    actual = _sha256(filepath)
-    if actual != expected:
-        raise ValueError(
-            f"The backup {filepath!r} is damaged: its SHA-256 is {actual}, but "
-            f"the backup metadata recorded {expected} when it was written. "
-            "Refusing to resume from it. Delete the backup directory to start "
-            "over, or restore the file from a copy."
-        )
-
-
 def _load_weights_strictly(model, filepath):
     """`model.load_weights`, with Keras' "skipping variable loading" warning
     turned into an error: a file that lacks the optimizer state (or has the
@@ -175,6 +185,57 @@ def _monitor_state(monitor):
     return state
 
 
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _backup_number(entry):
+    """The `<n>` of the `backup-<n>.weights.h5` a metadata entry names; -1
+    for no entry, 0 for Keras' own layout (`latest.weights.h5`)."""
+    if not entry:
+        return -1
+    match = _BACKUP_PATTERN.match(entry.get("weights", ""))
+    return int(match.group(1)) if match else 0
+
+
+def _this_worker(strategy):
+    """`(task name, is chief)` in a cluster of several workers, else `None`."""
+    if not _distribute.is_multi_worker(strategy):
+        return None
+    resolver = strategy.cluster_resolver
+    cluster = resolver.cluster_spec().as_dict()
+    if sum(len(cluster.get(job, ())) for job in ("chief", "worker")) <= 1:
+        return None
+    return f"{resolver.task_type}-{resolver.task_id}", bool(
+        strategy.extended.should_checkpoint
+    )
+
+
+def _gather_from_workers(strategy, task, value):
+    """`{task name: value}` over the cluster's workers, `value` an int.
+
+    An all-gather in eager mode; every worker must call it at the same point
+    (collectives match by order), which `fit`'s callbacks guarantee.
+    """
+    task_type, task_id = task.rsplit("-", 1)
+    local = tf.constant(
+        [[0 if task_type == "chief" else 1, int(task_id), int(value)]], tf.int64
+    )
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda _: local
+    )
+    rows = strategy.gather(per_replica, axis=0).numpy()
+    # One row per replica: a worker with several devices appears several times.
+    return {
+        f"{'chief' if job == 0 else 'worker'}-{index}": int(value)
+        for job, index, value in rows
+    }
+
+
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` whose backups survive a kill mid-save.
 
@@ -189,6 +250,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     of the model and optimizer raises instead of resuming from a fresh
     optimizer.
 
+    The metadata records the SHA-256 of the weights file it names, and a
+    restore checks it before loading anything: a file changed since it was
+    written (a flipped bit, a bad copy) raises a `ValueError` naming the
+    file, before any epoch is trained. Backups written by kmp before it
+    recorded checksums restore without that check, with a warning.
+
     An epoch's backup is written when the next epoch begins (or when
     training ends, if the backup is kept), after every callback has handled
     the epoch's end: a learning rate that `ReduceLROnPlateau` lowered, and
@@ -202,15 +269,31 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     Keras resumes at the start of the saved epoch, so the batches already
     seen in that epoch are trained again.
 
+    Under `tf.distribute.MultiWorkerMirroredStrategy` with several workers,
+    give every worker the same `backup_dir`, either one folder on a file
+    system they share (the layout of TensorFlow's multi-worker guide) or
+    each its own: both work. The chief writes to `backup_dir`, every other
+    worker to a folder of its own inside it, `backup_dir/worker-<index>`,
+    so no process writes, prunes or deletes another's files. When a worker
+    dies the others stop too (their collectives fail); rerun every worker
+    with the same command. At restore the workers agree on one backup (a
+    worker killed between its save and another's holds one backup less), so
+    all resume from the same state. For that agreement each worker keeps its
+    previous backup as well, as with `double_checkpoint=True`; a backup that
+    cannot be restored on any worker is an error on every worker.
+
     Args:
-        backup_dir: String. Where the backups go; use one directory per run.
+        backup_dir: String. Where the backups go; use one directory per run
+            (with several workers, see above). The folder is created when the
+            first backup is written.
         save_freq: `"epoch"` or integer. As for Keras' callback. Defaults
             to `"epoch"`.
         double_checkpoint: Bool. Keep the previous complete backup too, and
-            fall back to it if the latest cannot be read (a disk error).
-            Defaults to `False`.
-        delete_checkpoint: Bool. Delete `backup_dir` when training ends.
-            Defaults to `True`.
+            fall back to it, with a warning, if the latest cannot be restored
+            (a disk error, a checksum that differs). Defaults to `False`.
+        delete_checkpoint: Bool. Delete the backups when training ends (each
+            worker its own; `backup_dir` goes once it is empty). Defaults to
+            `True`.
         monitors: Optional list of callbacks that keep a monitor's state,
             e.g. `EarlyStopping`, `ReduceLROnPlateau`,
             `ModelCheckpoint(save_best_only=True)`. Their `best`, `wait`,
@@ -220,8 +303,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     Raises:
         TypeError: if `monitors` holds something that is not a callback.
-        ValueError: as Keras' callback for invalid arguments; on restore,
-            if the backup does not match the model or the monitors.
+        ValueError: as Keras' callback for invalid arguments; on restore, if
+            the backup's checksum differs, if it does not match the model or
+            the monitors, or if the workers' backups are not from one run.
 
     Example:
 
@@ -256,10 +340,24 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.monitors = monitors
         self._pending_monitor_states = None
         self._epoch_backup_pending = False
+        # This process's own folder, and its task in a multi-worker cluster
+        # (`(name, is_chief)`, or `None`); set when training begins.
+        self._folder = backup_dir
+        self._worker = None
+
+    def _use_folder_of_this_process(self):
+        self._worker = _this_worker(self.model.distribute_strategy)
+        if self._worker is None or self._worker[1]:
+            self._folder = self.backup_dir
+        else:
+            self._folder = os.path.join(self.backup_dir, self._worker[0])
+        self._training_metadata_path = os.path.join(
+            self._folder, "training_metadata.json"
+        )
 
     def _backup_files(self):
         files = []
-        for path in glob.glob(os.path.join(glob.escape(self.backup_dir), "backup-*")):
+        for path in glob.glob(os.path.join(glob.escape(self._folder), "backup-*")):
             match = _BACKUP_PATTERN.match(os.path.basename(path))
             if match:
                 files.append((int(match.group(1)), path))
@@ -280,6 +378,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 "the backup directory to start over."
             ) from None
 
+    def _write_metadata(self, metadata):
+        def write(path):
+            with open(path, "w") as f:
+                f.write(json.dumps(metadata))
+
+        write_atomically(self._training_metadata_path, write)
+
     def _load_model(self):
         if not self.model.built:
             raise ValueError(
@@ -287,40 +392,163 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 "built before you call `fit()`. Build it by calling it on a "
                 f"batch of data. Received: unbuilt model {self.model.name!r}"
             )
+        self._use_folder_of_this_process()
+        if self._worker is None:
+            self._restore_newest(self._candidates())
+        else:
+            self._restore_agreed()
+
+    def _candidates(self):
+        """The backups the metadata names, latest first."""
         metadata = self._read_metadata()
         if metadata is None:
-            return
-        candidates = [metadata]
-        if metadata.get("previous"):
-            candidates.append(metadata["previous"])
+            return []
+        return [metadata] + ([metadata["previous"]] if metadata.get("previous") else [])
+
+    def _restore_newest(self, candidates):
+        """Restores the first candidate that loads (one process)."""
         errors = []
         for candidate in candidates:
-            weights_path = os.path.join(
-                self.backup_dir, candidate.get("weights", "latest.weights.h5")
-            )
-            if self.model.optimizer is not None and not self.model.optimizer.built:
-                self.model.optimizer.build(self.model.trainable_variables)
             try:
-                # HDF5 keeps no checksum of the data: a flipped bit would
-                # restore silently. Backups from before checksums have none.
-                _check_sha256(weights_path, candidate.get("sha256"))
-                _load_weights_strictly(self.model, weights_path)
+                self._restore(candidate)
             except (OSError, ValueError) as error:
-                errors.append(f"{weights_path}: {error}")
+                errors.append(error)
                 continue
             if errors:
                 warnings.warn(
-                    "BackupAndRestore resumed from the previous backup "
-                    f"{weights_path!r} (epoch {candidate['epoch']}): the latest "
-                    f"could not be restored. {'; '.join(errors)}"
+                    f"Resuming from the previous backup in {self._folder!r} "
+                    f"(epoch {candidate['epoch']}): the latest could not be "
+                    f"restored. {errors[0]}",
+                    stacklevel=2,
                 )
-            self.model._initial_epoch = candidate["epoch"]
-            self._pending_monitor_states = candidate.get("monitors")
+                self._commit_restored(candidate)
             return
-        raise ValueError(
-            "No complete backup could be restored from "
-            f"{self.backup_dir!r}. Tried: " + "; ".join(errors)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ValueError(
+                f"No complete backup could be restored from {self._folder!r}. "
+                "Tried: " + " ".join(str(error) for error in errors)
+            )
+
+    def _restore_agreed(self):
+        """Restores the same backup on every worker: the lowest latest one.
+
+        Two all-gathers, at the same point on every worker: the latest
+        backup numbers, then whether each restore succeeded, so that a
+        worker that cannot restore stops every worker, not only itself
+        (rather than leaving them waiting for it in a collective).
+        """
+        strategy, (task, _) = self.model.distribute_strategy, self._worker
+        try:
+            candidates = self._candidates()
+            latest, error = _backup_number(candidates[0] if candidates else None), None
+        except (OSError, ValueError) as read_error:
+            candidates, latest, error = [], _UNREADABLE, read_error
+        latests = _gather_from_workers(strategy, task, latest)
+        if error is not None:
+            raise error
+        unreadable = sorted(name for name, n in latests.items() if n == _UNREADABLE)
+        if unreadable:
+            raise self._other_workers_failed(unreadable, "read its backup metadata")
+        target = min(latests.values())
+        if max(latests.values()) - target > 1:
+            held = ", ".join(
+                f"{name} holds {'backup ' + str(n) if n >= 0 else 'none'}"
+                for name, n in sorted(latests.items())
+            )
+            raise ValueError(
+                f"The workers' backups under {self.backup_dir!r} are more than "
+                f"one backup apart, so they are not from the same run: {held}. "
+                "Give every worker the `backup_dir` it had when the backups "
+                "were written, or delete every worker's backup folder to start "
+                "over."
+            )
+        chosen = next((c for c in candidates if _backup_number(c) == target), None)
+        if target >= 0 and chosen is None:
+            error = ValueError(
+                f"{task} cannot resume with the other workers from backup "
+                f"{target}: {self._training_metadata_path!r} names backup "
+                f"{latest} and no previous one. Delete every worker's backup "
+                "folder to start over."
+            )
+        elif chosen is not None:
+            try:
+                self._restore(chosen)
+            except (OSError, ValueError) as restore_error:
+                error = restore_error
+        succeeded = _gather_from_workers(strategy, task, error is None)
+        if error is not None:
+            raise error
+        failed = sorted(name for name, ok in succeeded.items() if not ok)
+        if failed:
+            raise self._other_workers_failed(failed, f"restore backup {target}")
+        if target < latest:
+            self._commit_restored(chosen)
+
+    def _other_workers_failed(self, names, what):
+        return ValueError(
+            f"{', '.join(names)} could not {what} under {self.backup_dir!r} "
+            "(its own error, in its log, says why). Every worker stops: "
+            "workers resumed from different states would train a different "
+            "model."
         )
+
+    def _restore(self, candidate):
+        """Checks a backup's checksum, then loads it strictly."""
+        weights_path = os.path.join(
+            self._folder, candidate.get("weights", "latest.weights.h5")
+        )
+        expected = candidate.get("sha256")
+        if expected is None:
+            warnings.warn(
+                f"The backup {weights_path!r} has no checksum in "
+                f"{self._training_metadata_path!r} (it was written by Keras "
+                "or by an older kmp); it is restored without an integrity "
+                "check.",
+                stacklevel=3,
+            )
+        else:
+            try:
+                actual = _sha256(weights_path)
+            except OSError as error:
+                raise ValueError(
+                    f"The backup file {weights_path!r} named by "
+                    f"{self._training_metadata_path!r} cannot be read: {error}"
+                ) from None
+            if actual != expected:
+                raise ValueError(
+                    f"The backup file {weights_path!r} is damaged: its SHA-256 "
+                    f"checksum is {actual}, but {self._training_metadata_path!r} "
+                    f"recorded {expected} when the file was written. Resuming "
+                    "from it would continue from weights that were never "
+                    "trained. Put back an intact copy of the file, or delete "
+                    f"{self.backup_dir!r} to start over."
+                )
+        if self.model.optimizer is not None and not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)
+        try:
+            _load_weights_strictly(self.model, weights_path)
+        except OSError as error:
+            raise ValueError(
+                f"The backup file {weights_path!r} cannot be loaded: {error}"
+            ) from None
+        self.model._initial_epoch = candidate["epoch"]
+        self._pending_monitor_states = candidate.get("monitors")
+
+    def _commit_restored(self, entry):
+        """Makes the backup just restored the latest one (`None`: none).
+
+        The next backup is numbered after the latest the metadata names, so
+        after this every worker numbers its backups alike again; the newer
+        backup file, no longer named, goes at the next save.
+        """
+        if entry is None:
+            os.remove(self._training_metadata_path)
+            return
+        entry = dict(entry)
+        entry.pop("previous", None)
+        self._write_metadata(entry)
 
     def on_train_begin(self, logs=None):
         # Keras' version falls back on OSError only; `_load_model` already
@@ -346,7 +574,33 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if self._epoch_backup_pending and not self.delete_checkpoint:
             self._epoch_backup_pending = False
             self._save_model()
-        super().on_train_end(logs)
+        if not self.delete_checkpoint:
+            return
+        if self._worker is None:
+            super().on_train_end(logs)
+            return
+        self._delete_own_backups()
+
+    def _delete_own_backups(self):
+        """Deletes this worker's folder, or for the chief its own files in
+        `backup_dir`, never another worker's; `backup_dir` goes with the
+        last worker to finish."""
+        if self._worker[1]:
+            if os.path.isdir(self._folder):
+                for name in os.listdir(self._folder):
+                    path = os.path.join(self._folder, name)
+                    if _WORKER_FOLDER_PATTERN.match(name) and os.path.isdir(path):
+                        continue
+                    if os.path.isdir(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.remove(path)
+        else:
+            shutil.rmtree(self._folder, ignore_errors=True)
+        try:
+            os.rmdir(self.backup_dir)
+        except OSError:
+            pass  # Another worker's backups are still in it, or it is gone.
 
     def _restore_monitors(self):
         # Not in on_train_begin: each monitor resets its own state there,
@@ -366,35 +620,32 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 setattr(monitor, name, value)
 
     def _save_model(self):
-        os.makedirs(self.backup_dir, exist_ok=True)
-        existing = self._backup_files()
-        if existing:
-            last = _BACKUP_PATTERN.match(os.path.basename(existing[-1])).group(1)
-            index = int(last) + 1
-        else:
-            index = 0
-        weights_name = f"backup-{index:06d}.weights.h5"
-        write_atomically(
-            os.path.join(self.backup_dir, weights_name),
-            lambda path: self.model.save_weights(path, overwrite=True),
-        )
+        os.makedirs(self._folder, exist_ok=True)
+        latest = self._read_metadata()
+        # Numbered from the metadata, not from the folder listing: a file a
+        # killed save completed but never committed is not counted, so every
+        # worker numbers its backups alike.
+        weights_name = f"backup-{_backup_number(latest) + 1:06d}.weights.h5"
+        checksum = {}
+
+        def write_weights(path):
+            self.model.save_weights(path, overwrite=True)
+            checksum["sha256"] = _sha256(path)
+
+        write_atomically(os.path.join(self._folder, weights_name), write_weights)
         metadata = {
             "epoch": self._current_epoch,
             "batch": self._last_batch_seen,
             "weights": weights_name,
-            "sha256": _sha256(os.path.join(self.backup_dir, weights_name)),
+            "sha256": checksum["sha256"],
             "monitors": [_monitor_state(monitor) for monitor in self.monitors],
         }
-        previous = self._read_metadata() if self.double_checkpoint else None
-        if previous and "weights" in previous:
-            previous.pop("previous", None)
-            metadata["previous"] = previous
-
-        def write_metadata(path):
-            with open(path, "w") as f:
-                f.write(json.dumps(metadata))
-
-        write_atomically(self._training_metadata_path, write_metadata)
+        # Several workers need the previous backup to agree on one at restore.
+        keep_previous = self.double_checkpoint or self._worker is not None
+        if keep_previous and latest and "weights" in latest:
+            latest.pop("previous", None)
+            metadata["previous"] = latest
+        self._write_metadata(metadata)
         keep = {weights_name}
         if "previous" in metadata:
             keep.add(metadata["previous"]["weights"])
@@ -402,9 +653,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             if os.path.basename(path) not in keep:
                 os.remove(path)
         for path in glob.glob(
-            os.path.join(glob.escape(self.backup_dir), f".*{_PARTIAL_MARK}-*")
+            os.path.join(glob.escape(self._folder), f".*{_PARTIAL_MARK}-*")
         ):
-            # Left by a process killed while saving.
+            # Left by a process killed while saving: only this process
+            # writes in this folder.
             os.remove(path)
 
 

@@ -50,7 +50,7 @@ def test_a_flipped_bit_is_refused_naming_the_file_before_any_epoch(tmp_path):
     resumed = _model()
     epochs = []
     x, y = _data()
-    with pytest.raises(ValueError, match=r"is damaged: its SHA-256 is [0-9a-f]{64}") as info:
+    with pytest.raises(ValueError, match=r"is damaged: its SHA-256 checksum is [0-9a-f]{64}") as info:
         resumed.fit(
             x, y, batch_size=8, epochs=4, verbose=0,
             callbacks=[

@@ -1,8 +1,10 @@
 """Crash-safe resume: SIGKILL mid-epoch and mid-save, checkpoints that reload."""
 
+import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -377,10 +379,12 @@ def test_restore_refuses_a_backup_without_the_optimizer_state(tmp_path):
     x, y = _regression_data()
     uncompiled = kmp.Model.from_config(model.get_config())
     (tmp_path / "backup").mkdir()
-    uncompiled.save_weights(tmp_path / "backup" / "backup-000000.weights.h5")
-    (tmp_path / "backup" / "training_metadata.json").write_text(
-        json.dumps({"epoch": 1, "batch": 0, "weights": "backup-000000.weights.h5"})
-    )
+    weights_file = tmp_path / "backup" / "backup-000000.weights.h5"
+    uncompiled.save_weights(weights_file)
+    (tmp_path / "backup" / "training_metadata.json").write_text(json.dumps({
+        "epoch": 1, "batch": 0, "weights": weights_file.name,
+        "sha256": hashlib.sha256(weights_file.read_bytes()).hexdigest(),
+    }))
     with pytest.raises(ValueError, match="backup-000000.weights.h5.*does not match"):
         model.fit(x, y, epochs=2, verbose=0,
                   callbacks=[kmp.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
@@ -467,7 +471,357 @@ def test_double_checkpoint_falls_back_to_the_previous_backup(tmp_path):
         on_train_begin=lambda logs: probe.seen.append(int(resumed.optimizer.iterations))
     )
     probe.seen = []
-    resumed.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
-        kmp.callbacks.BackupAndRestore(str(backup_dir), double_checkpoint=True), probe])
+    with pytest.warns(UserWarning, match=r"previous backup .*\(epoch 1\).*is damaged"):
+        resumed.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+            kmp.callbacks.BackupAndRestore(str(backup_dir), double_checkpoint=True), probe])
     assert probe.seen == [3]  # the epoch-1 backup: 3 steps
     assert int(resumed.optimizer.iterations) == 6
+
+
+def _run_with_backup(backup_dir, epochs, **kwargs):
+    """Trains a fresh model with a backup in `backup_dir`; returns the model and
+    the epochs `fit` began, or the model and the error `fit` raised."""
+    x, y = _regression_data()
+    keras.utils.set_random_seed(5)
+    model = _bfloat16_model()
+    began = []
+    probe = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: began.append(epoch))
+    try:
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=[
+            kmp.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False, **kwargs),
+            probe])
+    except ValueError as error:
+        assert began == []  # raised before any epoch was trained
+        return model, error
+    return model, began
+
+
+def test_a_flipped_bit_in_a_backup_is_an_error_naming_the_file(tmp_path):
+    backup_dir = tmp_path / "backup"
+    _, began = _run_with_backup(backup_dir, 2)
+    uninterrupted, _ = _run_with_backup(tmp_path / "uninterrupted", 3)
+    metadata = json.loads((backup_dir / "training_metadata.json").read_text())
+    assert metadata["weights"] == "backup-000001.weights.h5"
+    weights_file = backup_dir / metadata["weights"]
+    assert metadata["sha256"] == hashlib.sha256(weights_file.read_bytes()).hexdigest()
+    original = _flip_one_bit_of_a_weight(weights_file)
+
+    model, error = _run_with_backup(backup_dir, 3)
+    assert str(error).startswith(
+        f"The backup file {str(weights_file)!r} is damaged: its SHA-256 checksum is "
+        f"{hashlib.sha256(weights_file.read_bytes()).hexdigest()}, but "
+        f"{str(backup_dir / 'training_metadata.json')!r} recorded {metadata['sha256']}"
+    ), error
+    assert int(model.optimizer.iterations) == 0  # nothing restored either
+
+    # The intact file resumes epoch 3 and ends as the uninterrupted run.
+    weights_file.write_bytes(original)
+    resumed, began = _run_with_backup(backup_dir, 3)
+    assert began == [2]
+    for a, b in zip(resumed.weights + resumed.optimizer.variables,
+                    uninterrupted.weights + uninterrupted.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_backup_without_checksums_restores_with_a_warning(tmp_path):
+    # What kmp wrote before it recorded checksums: the same, without "sha256".
+    backup_dir = tmp_path / "backup"
+    _run_with_backup(backup_dir, 2)
+    metadata_path = backup_dir / "training_metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    del metadata["sha256"]
+    metadata_path.write_text(json.dumps(metadata))
+    with pytest.warns(UserWarning, match=r"backup-000001.weights.h5' has no checksum"):
+        model, began = _run_with_backup(backup_dir, 3)
+    assert began == [2] and int(model.optimizer.iterations) == 9
+    # The next backup records one again.
+    assert "sha256" in json.loads(metadata_path.read_text())
+
+
+class _FakeCluster:
+    """Stands in for the all-gathers of `BackupAndRestore` across workers: this
+    process is the chief, "worker-0"; `others` are the other workers' values,
+    one dict per gather."""
+
+    def __init__(self, monkeypatch, *others):
+        self.others, self.sent = list(others), []
+        monkeypatch.setattr(checkpoint_module, "_this_worker", lambda strategy: ("worker-0", True))
+        monkeypatch.setattr(checkpoint_module, "_gather_from_workers", self.gather)
+
+    def gather(self, strategy, task, value):
+        assert task == "worker-0"
+        self.sent.append(int(value))
+        return {"worker-0": int(value), **self.others.pop(0)}
+
+
+def test_workers_resume_from_the_lowest_latest_backup(tmp_path, monkeypatch):
+    backup_dir = tmp_path / "backup"
+    metadata_path = backup_dir / "training_metadata.json"
+    # Worker 1 was killed in its third save: it holds backup 1 (epoch 2).
+    cluster = _FakeCluster(
+        monkeypatch, {"worker-1": -1}, {"worker-1": 1}, {"worker-1": 1}, {"worker-1": 1}
+    )
+    _run_with_backup(backup_dir, 3)
+    assert cluster.sent == [-1, 1]  # nothing to restore, then "restored"
+    assert json.loads(metadata_path.read_text())["previous"]["epoch"] == 2
+    model, began = _run_with_backup(backup_dir, 3)
+    # Backup 2 (epoch 3) is worker 0's latest; both resume backup 1 (epoch 2).
+    assert cluster.sent == [-1, 1, 2, 1]
+    assert began == [2] and int(model.optimizer.iterations) == 9
+    metadata = json.loads(metadata_path.read_text())
+    assert (metadata["epoch"], metadata["weights"]) == (3, "backup-000002.weights.h5")
+    assert metadata["previous"]["weights"] == "backup-000001.weights.h5"
+
+
+def test_workers_stop_together_when_their_backups_disagree_or_one_fails(tmp_path, monkeypatch):
+    backup_dir = tmp_path / "backup"
+    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": 1})
+    _run_with_backup(backup_dir, 3)
+    # Worker 1 has no backup at all: not the same run.
+    _FakeCluster(monkeypatch, {"worker-1": -1})
+    _, error = _run_with_backup(backup_dir, 3)
+    assert "more than one backup apart" in str(error)
+    assert "worker-0 holds backup 2, worker-1 holds none" in str(error)
+    # Worker 1 could not read its metadata, or restore its own backup 2:
+    # worker 0 stops too, rather than wait for worker 1 in a collective.
+    _FakeCluster(monkeypatch, {"worker-1": checkpoint_module._UNREADABLE})
+    _, error = _run_with_backup(backup_dir, 4)
+    assert str(error).startswith("worker-1 could not read its backup metadata under")
+    _FakeCluster(monkeypatch, {"worker-1": 2}, {"worker-1": 0})
+    _, error = _run_with_backup(backup_dir, 4)
+    assert str(error).startswith("worker-1 could not restore backup 2 under")
+    assert "Every worker stops" in str(error)
+
+
+# -- Several workers (MultiWorkerMirroredStrategy), one process each ---------
+
+_BACKUP_WORKER = os.path.join(os.path.dirname(__file__), "multi_worker_backup_worker.py")
+_CLUSTER_TIMEOUT_S = 240
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _start_cluster(tmp_path, name, backup_dirs, worker_args=((), ())):
+    """Starts two loopback workers of MultiWorkerMirroredStrategy.
+
+    Returns one `(process, marker, dump directory, log path)` per worker.
+    """
+    ports = _free_ports(len(backup_dirs))
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    workers = []
+    for index, (backup_dir, args) in enumerate(zip(backup_dirs, worker_args)):
+        dump = tmp_path / f"{name}-{index}"
+        dump.mkdir()
+        marker = tmp_path / f"{name}-{index}.paused"
+        log = tmp_path / f"{name}-{index}.log"
+        env = dict(
+            child_env(gpu=False),
+            TF_CONFIG=json.dumps(
+                {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            ),
+        )
+        with open(log, "w") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, _BACKUP_WORKER, "--backup", str(backup_dir),
+                 "--dump", str(dump), "--marker", str(marker), *args],
+                env=env, stdout=log_file, stderr=subprocess.STDOUT,
+            )
+        _running.append(process)
+        workers.append((process, marker, dump, log))
+    return workers
+
+
+def _wait_for_cluster(workers, *, expect_success=True):
+    """Waits for every worker; returns their exit codes."""
+    deadline = time.monotonic() + _CLUSTER_TIMEOUT_S
+    for process, *_ in workers:
+        try:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=60)
+    codes = [process.returncode for process, *_ in workers]
+    if expect_success and any(codes):
+        pytest.fail(
+            f"Workers exited with {codes}:\n"
+            + "\n".join(
+                f"--- worker {i}:\n" + log.read_text()[-3000:]
+                for i, (_, _, _, log) in enumerate(workers)
+            )
+        )
+    return codes
+
+
+def _wait_for_file(path, workers, predicate=lambda path: True):
+    deadline = time.monotonic() + _CLUSTER_TIMEOUT_S
+    while not (path.exists() and predicate(path)):
+        if any(process.poll() is not None for process, *_ in workers):
+            pytest.fail(
+                f"A worker ended before {path.name} appeared:\n"
+                + "\n".join(log.read_text()[-3000:] for *_, log in workers)
+            )
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} never appeared.")
+        time.sleep(0.05)
+
+
+def _kill_cluster(workers, killed):
+    """SIGKILLs worker `killed`; returns how each survivor ended on its own
+    (its exit code, or `None` if it was still running after a minute, and was
+    then killed)."""
+    process = workers[killed][0]
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    survivors = {}
+    for index, (other, *_) in enumerate(workers):
+        if index == killed:
+            continue
+        try:
+            survivors[index] = other.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            other.kill()
+            other.wait(timeout=60)
+            survivors[index] = None
+    return survivors
+
+
+def _epoch_in(metadata_path):
+    try:
+        return json.loads(metadata_path.read_text())["epoch"]
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_cluster(tmp_path_factory):
+    """The final state of two workers that share one backup folder, never killed."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    backup = tmp_path / "backup"
+    workers = _start_cluster(tmp_path, "reference", [backup, backup])
+    _wait_for_cluster(workers)
+    assert not backup.exists()  # delete_checkpoint=True: every worker's part
+    for _, _, dump, _ in workers:
+        assert int(np.load(dump / "restored.npz")["initial_epoch"]) == 0
+    final = [dump / "final.npz" for _, _, dump, _ in workers]
+    _assert_same_state(final[0], final[1])
+    reference = np.load(final[0])
+    # The poisoned sample is skipped once per epoch: the state is not trivial.
+    assert int(reference["skipped_steps"]) == 4
+    return final[0]
+
+
+def _flip_one_bit_of_a_weight(path):
+    """Flips the lowest mantissa bit of the first float32 weight stored in the
+    HDF5 file `path`, in its data, not its structure; returns the original
+    bytes."""
+    import h5py
+
+    original = path.read_bytes()
+    with h5py.File(path, "r") as f:
+        datasets = []
+        f.visititems(
+            lambda name, item: datasets.append(name)
+            if isinstance(item, h5py.Dataset) and item.dtype == np.float32 and item.size >= 4
+            else None
+        )
+        name = datasets[0]
+        values = np.asarray(f[name]).ravel()
+    offset = original.find(values.tobytes())
+    assert offset >= 0 and original.count(values.tobytes()) == 1
+    damaged = bytearray(original)
+    damaged[offset] ^= 1
+    path.write_bytes(bytes(damaged))
+    # HDF5 keeps no checksum: the damaged file opens and reads another value.
+    with h5py.File(path, "r") as f:
+        read = np.asarray(f[name]).ravel()
+    assert read[0] != values[0] and np.array_equal(read[1:], values[1:])
+    return original
+
+
+def test_two_workers_sharing_one_backup_folder_resume_identical_after_a_kill(
+    tmp_path, uninterrupted_cluster
+):
+    backup = tmp_path / "backup"
+    # Worker 1 dies mid-epoch 3 (0-based 2), after the epoch-2 backups.
+    workers = _start_cluster(
+        tmp_path, "first", [backup, backup], [(), ("--pause-at-batch", "2,3")]
+    )
+    _wait_for_file(workers[1][1], workers)
+    survivors = _kill_cluster(workers, killed=1)
+    # Worker 0's next collective fails: it stops by itself, with an error.
+    assert survivors[0] not in (0, None), survivors
+    # The chief's backup in the folder, worker 1's in its own subfolder; each
+    # keeps its previous one too.
+    assert _epoch_in(backup / "training_metadata.json") == 2
+    assert _epoch_in(backup / "worker-1" / "training_metadata.json") == 2
+    assert sorted(os.listdir(backup)) == [
+        "backup-000000.weights.h5", "backup-000001.weights.h5",
+        "training_metadata.json", "worker-1",
+    ]
+
+    # A flipped bit in worker 1's backup: worker 1 names the file, and worker 0
+    # stops too instead of training from a state worker 1 does not share.
+    metadata = json.loads((backup / "worker-1" / "training_metadata.json").read_text())
+    weights_file = backup / "worker-1" / metadata["weights"]
+    original = _flip_one_bit_of_a_weight(weights_file)
+    workers = _start_cluster(tmp_path, "damaged", [backup, backup])
+    assert all(_wait_for_cluster(workers, expect_success=False))
+    logs = [log.read_text() for *_, log in workers]
+    assert f"The backup file {str(weights_file)!r} is damaged: its SHA-256" in logs[1]
+    assert "worker-1 could not restore backup 1" in logs[0]
+    for _, _, dump, _ in workers:
+        assert not (dump / "final.npz").exists()
+
+    # Restarted with the same command, both resume epoch 3 and end as if
+    # never interrupted, bit for bit.
+    weights_file.write_bytes(original)
+    workers = _start_cluster(tmp_path, "resumed", [backup, backup])
+    _wait_for_cluster(workers)
+    for _, _, dump, _ in workers:
+        assert int(np.load(dump / "restored.npz")["initial_epoch"]) == 2
+        _assert_same_state(uninterrupted_cluster, dump / "final.npz")
+    assert not backup.exists()
+
+
+@pytest.mark.parametrize("layout", ["one shared folder", "one folder per worker"])
+def test_two_workers_killed_between_their_saves_resume_from_the_same_backup(
+    tmp_path, uninterrupted_cluster, layout
+):
+    if layout == "one shared folder":
+        backups = [tmp_path / "backup"] * 2
+    else:
+        backups = [tmp_path / "backup0", tmp_path / "backup1"]
+    worker_1_folder = backups[1] / "worker-1"
+    # Worker 1 dies half-way through writing its epoch-3 backup, once worker
+    # 0 has committed its own: worker 0 holds epoch 3, worker 1 epoch 2.
+    workers = _start_cluster(
+        tmp_path, "first", backups, [(), ("--pause-in-save", "3")]
+    )
+    _wait_for_file(workers[1][1], workers)
+    _wait_for_file(
+        backups[0] / "training_metadata.json", workers,
+        lambda path: _epoch_in(path) == 3,
+    )
+    _kill_cluster(workers, killed=1)
+    assert _epoch_in(worker_1_folder / "training_metadata.json") == 2
+    assert any(".partial" in name for name in os.listdir(worker_1_folder))
+
+    # Both resume epoch 2's backup (worker 0 its previous one) and end as if
+    # never interrupted, bit for bit.
+    workers = _start_cluster(tmp_path, "resumed", backups)
+    _wait_for_cluster(workers)
+    for _, _, dump, _ in workers:
+        assert int(np.load(dump / "restored.npz")["initial_epoch"]) == 2
+        _assert_same_state(uninterrupted_cluster, dump / "final.npz")
+    for backup in backups:
+        assert not backup.exists()

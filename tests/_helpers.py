@@ -185,3 +185,17 @@ def overflowing_sample_weights(rows, batch_size, batches):
     for batch in batches:
         weights[(batch - 1) * batch_size : batch * batch_size] = OVERFLOWING_SAMPLE_WEIGHT
     return weights
+
+
+def free_ports(count):
+    """`count` free TCP ports on 127.0.0.1, for workers a test starts."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

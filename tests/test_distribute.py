@@ -4,7 +4,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import tensorflow as tf
 
 import kmp
 from _helpers import TrainableWeightsPerStep
+from _helpers import free_ports
 from kmp import distribute as kmp_distribute
 
 _ROOT = pathlib.Path(__file__).parents[1]
@@ -30,20 +30,9 @@ def _load_worker_module():
     return module
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _run_workers(tmp_path, count=2):
     """Runs `count` worker processes on loopback; returns their result files."""
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(count)]}
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(count)]}
     python_path = os.pathsep.join(
         p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p
     )

@@ -4,7 +4,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import pytest
 
 import kmp
 from _helpers import child_env
+from _helpers import free_ports
 from kmp import checkpoint as checkpoint_module
 
 # A training run in its own process, so that it can be killed by a real
@@ -599,23 +599,12 @@ _BACKUP_WORKER = os.path.join(os.path.dirname(__file__), "multi_worker_backup_wo
 _CLUSTER_TIMEOUT_S = 240
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _start_cluster(tmp_path, name, backup_dirs, worker_args=((), ())):
     """Starts two loopback workers of MultiWorkerMirroredStrategy.
 
     Returns one `(process, marker, dump directory, log path)` per worker.
     """
-    ports = _free_ports(len(backup_dirs))
+    ports = free_ports(len(backup_dirs))
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     workers = []
     for index, (backup_dir, args) in enumerate(zip(backup_dirs, worker_args)):

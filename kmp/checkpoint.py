@@ -588,9 +588,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if self._worker[1]:
             if os.path.isdir(self._folder):
                 for name in os.listdir(self._folder):
-                    path = os.path.join(self._folder, name)
-                    if _WORKER_FOLDER_PATTERN.match(name) and os.path.isdir(path):
+                    if _WORKER_FOLDER_PATTERN.match(name):
+                        # Another worker's folder, which that worker deletes
+                        # itself, perhaps this very moment: never looked at.
                         continue
+                    path = os.path.join(self._folder, name)
                     if os.path.isdir(path):
                         shutil.rmtree(path)
                     else:

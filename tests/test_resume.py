@@ -593,6 +593,33 @@ def test_workers_stop_together_when_their_backups_disagree_or_one_fails(tmp_path
     assert "Every worker stops" in str(error)
 
 
+def test_the_chief_deletes_its_own_backups_never_a_worker_folder(tmp_path, monkeypatch):
+    """At the end the chief deletes its files in a shared folder while the
+    other workers delete their folders: one still training keeps its folder,
+    and one that vanishes between the chief's listing and its next look is no
+    error (it crashed the chief on CI)."""
+    backup_dir = tmp_path / "backup"
+    _FakeCluster(monkeypatch, {"worker-1": -1, "worker-2": -1}, {"worker-1": 1, "worker-2": 1})
+    still_training = backup_dir / "worker-2"
+    still_training.mkdir(parents=True)
+    (still_training / "training_metadata.json").write_text("{}")
+    listdir = os.listdir
+
+    def listdir_as_worker_1_finishes(path):
+        names = listdir(path)
+        if os.fspath(path) == str(backup_dir):
+            names.append("worker-1")  # listed, and deleted by worker 1 just after
+        return names
+
+    monkeypatch.setattr(os, "listdir", listdir_as_worker_1_finishes)
+    x, y = _regression_data()
+    model = _bfloat16_model()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[kmp.callbacks.BackupAndRestore(str(backup_dir))])
+    assert sorted(listdir(backup_dir)) == ["worker-2"]
+    assert (still_training / "training_metadata.json").read_text() == "{}"
+
+
 # -- Several workers (MultiWorkerMirroredStrategy), one process each ---------
 
 _BACKUP_WORKER = os.path.join(os.path.dirname(__file__), "multi_worker_backup_worker.py")

@@ -388,3 +388,25 @@ def test_retries_benchmark_reports_what_its_runs_measured(tmp_path):
     assert cost["overflows"] == {"0": 0, "3": 0}  # nothing to retry while timed
     assert cost["median_ratio"] == statistics.median(cost["ratios"])
     assert len(cost["ratios"]) == cost["rounds"] == 2
+
+
+def test_custom_steps_benchmark_measures_each_variant_of_the_loop():
+    from benchmarks import custom_steps
+
+    runs = {variant: custom_steps.measure("loop", variant, steps=3)
+            for variant in custom_steps.VARIANTS}
+    loss = {variant: run["losses"]["loss"] for variant, run in runs.items()}
+    assert runs["float32"]["scalers"] == {"optimizer": (None, None)}
+    # One line per loss: Keras' own recipe, step for step.
+    assert loss["kmp, one line per loss"] == loss["Keras recipe"]
+    assert (runs["kmp, one line per loss"]["scalers"]
+            == runs["Keras recipe"]["scalers"] == {"optimizer": (0, 2.0**15)})
+    # The line forgotten: kmp trains as float32 does and says so once; Keras'
+    # scaler divides the gradients by 2**15 without a word, so the loss
+    # hardly moves from where it started.
+    assert runs["kmp, code unchanged"]["unscaled_warnings"] == 1
+    assert runs["Keras recipe, line forgotten"]["unscaled_warnings"] == 0
+    kmp_error = abs(loss["kmp, code unchanged"] - loss["float32"])
+    keras_error = abs(loss["Keras recipe, line forgotten"] - loss["float32"])
+    assert kmp_error < 1e-3 and keras_error > max(10 * kmp_error, 1e-2)
+    assert custom_steps.format_table({"loop": runs}).count("\n| loop |") == len(runs)

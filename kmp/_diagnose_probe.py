@@ -287,7 +287,9 @@ class _Pass:
 
 
 def _numpy(tensor):
-    return np.asarray(tf.cast(tensor, "float32"))
+    # An embedding's weight gradient is an IndexedSlices: densified, so the
+    # rows no id touched count as the zeros they are.
+    return np.asarray(tf.cast(tf.convert_to_tensor(tensor), "float32"))
 
 
 def _is_float(tensor):

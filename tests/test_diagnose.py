@@ -335,3 +335,36 @@ def test_an_overflow_hidden_inside_a_layer_is_named():
     assert "rms's output is 100% off float32" in report.policy_reason
     found = {(f["check"], f["layer"]) for f in report.findings}
     assert {("epsilon", "rms"), ("float16 math", "rms")} <= found  # the 1e-8 literal
+
+
+def _embedding_model(policy):
+    with kmp.policy_scope(policy):
+        inputs = keras.Input((6,), dtype="int32")
+        hidden = keras.layers.Embedding(50, 4, name="embed")(inputs)
+        hidden = keras.layers.GlobalAveragePooling1D(name="pool")(hidden)
+        return keras.Model(inputs, keras.layers.Dense(1, name="head", dtype="float32")(hidden))
+
+
+def test_a_model_with_an_embedding_is_diagnosed_on_its_data():
+    # An Embedding's weight gradient is an IndexedSlices, not a tensor.
+    model = _embedding_model("mixed_float16")
+    ids = np.arange(12, dtype="int32").reshape(2, 6)
+    y = np.ones((2, 1), "float32")
+
+    report = kmp.diagnose(model, (ids, y), loss="mse")
+
+    reference = _embedding_model("float32")
+    reference.set_weights(model.get_weights())
+    extractor = keras.Model(reference.input, reference.get_layer("embed").output)
+    with tf.GradientTape() as tape:
+        embedded = extractor(ids)
+        loss = tf.reduce_mean(tf.square(reference.get_layer("head")(
+            reference.get_layer("pool")(embedded)) - y))
+    table = reference.get_layer("embed").embeddings
+    output_gradient, table_gradient = tape.gradient(loss, [embedded, table])
+    expected = max(np.abs(output_gradient.numpy()).max(),
+                   np.abs(tf.convert_to_tensor(table_gradient).numpy()).max())
+    embed = report.layer("embed")
+    assert embed["max_abs_gradient"] == pytest.approx(float(expected), rel=1e-5)
+    assert embed["gradient_overflow"] == 0.0
+    assert report.first_nonfinite is None

@@ -179,6 +179,8 @@ _UNSCALED_WARNING = (
 )
 
 
+_DEFAULT_GROWTH_INTERVAL = 2000
+
 _RULE_SETTINGS = ("dynamic", "growth_factor", "backoff_factor", "growth_interval",
                   "hysteresis", "min_scale", "max_scale")
 
@@ -287,6 +289,20 @@ def _check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growt
         )
 
 
+def _growth_interval(growth_interval, dynamic_growth_steps):
+    """`growth_interval`, or Keras' `dynamic_growth_steps` where given."""
+    if dynamic_growth_steps is None:
+        return growth_interval
+    _check_integer("dynamic_growth_steps", dynamic_growth_steps, 1)
+    if growth_interval not in (_DEFAULT_GROWTH_INTERVAL, dynamic_growth_steps):
+        raise ValueError(
+            "`dynamic_growth_steps` is Keras' name for `growth_interval`; pass "
+            f"one of them. Received: growth_interval={growth_interval!r}, "
+            f"dynamic_growth_steps={dynamic_growth_steps!r}"
+        )
+    return dynamic_growth_steps
+
+
 def _resolve_inner_optimizer(inner_optimizer):
     if isinstance(inner_optimizer, str):
         inner_optimizer = keras.optimizers.get(inner_optimizer)
@@ -392,6 +408,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             or skipped) and `loss_scale` reads 1. Its variables still exist,
             so checkpoints keep one layout. Defaults to `True`.
         name: Optional string. The optimizer's name.
+        dynamic_growth_steps: Optional int >= 1. Keras' name for
+            `growth_interval`, accepted so that code written for
+            `keras.optimizers.LossScaleOptimizer` runs unchanged. Defaults
+            to `None` (use `growth_interval`).
 
     Raises:
         TypeError: if `inner_optimizer` is not a Keras optimizer.
@@ -421,7 +441,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         dynamic=True,
         growth_factor=2.0,
         backoff_factor=0.5,
-        growth_interval=2000,
+        growth_interval=_DEFAULT_GROWTH_INTERVAL,
         hysteresis=1,
         min_scale=1.0,
         max_scale=2.0**24,
@@ -430,7 +450,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         clipvalue=None,
         enabled=True,
         name=None,
+        dynamic_growth_steps=None,
     ):
+        growth_interval = _growth_interval(growth_interval, dynamic_growth_steps)
         inner_optimizer = _resolve_inner_optimizer(inner_optimizer)
         _check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growth_interval,
                         hysteresis, min_scale, max_scale, clipnorm, global_clipnorm, clipvalue,

@@ -345,6 +345,8 @@ def test_string_inner_optimizer_is_resolved():
         ({"clipvalue": float("nan")}, "clipvalue"),
         ({"clipnorm": 1.0, "global_clipnorm": 1.0}, "At most one"),
         ({"dynamic": "yes"}, "dynamic"),
+        ({"dynamic_growth_steps": 0}, "dynamic_growth_steps"),
+        ({"dynamic_growth_steps": 2, "growth_interval": 3}, "pass one of them"),
     ],
 )
 def test_invalid_arguments_raise_value_error_naming_them(kwargs, argument):
@@ -394,6 +396,21 @@ def test_config_round_trip_keeps_every_argument():
     assert config["name"] == "my_scaler" and config["clipnorm"] is None
     other = kmp.LossScaleOptimizer("sgd", clipnorm=1.5)
     assert kmp.LossScaleOptimizer.from_config(other.get_config()).clipnorm == 1.5
+
+
+def test_keras_dynamic_growth_steps_is_the_growth_interval():
+    # Keras' own upscaling test, on kmp: 8 finite steps at 2 steps per growth.
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), initial_scale=2.0, dynamic_growth_steps=2
+    )
+    variables = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
+    for _ in range(8):
+        optimizer.apply([ops.array([1.0, 6.0, 7.0, 2.0])], variables)
+    assert float(optimizer.scale_loss(1.0)) == 32.0
+    assert optimizer.growth_interval == optimizer.dynamic_growth_steps == 2
+    assert optimizer.get_config()["growth_interval"] == 2
+    same = kmp.LossScaleOptimizer("sgd", growth_interval=5, dynamic_growth_steps=5)
+    assert same.growth_interval == 5
 
 
 def test_plain_keras_model_uses_it_without_wrapping_again():

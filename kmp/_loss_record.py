@@ -9,23 +9,29 @@ instead, at each `apply`, how the step's gradients were made:
   this thread; a `tf.function` or a replica of a strategy traces in one
   thread). Divide by the scale. The unscaled loss comes along, so a skipped
   step can be told apart as a forward overflow.
-- `UNSCALED`: a `tf.GradientTape` computed gradients since the last `apply`
-  and no `scale_loss` ran: gradients of a loss that was not scaled. Applied
-  as they are (with one warning).
+- `UNSCALED`: since the last `apply`, a `tf.GradientTape` computed
+  gradients with respect to a variable this `apply` updates, and no
+  `scale_loss` ran: gradients of a loss that was not scaled. Applied as they
+  are (with one warning). A tape that differentiated other variables (another
+  model's, Keras' own `fit` with a plain optimizer) does not count.
 - `BY_HAND`: neither: gradients made without a tape (as Keras' own tests
   make them), taken to be scaled by hand, as Keras does.
+- `DIVIDED`: `get_unscaled_gradients` (tf.keras' recipe) divided them by the
+  scale already: checked and applied as they are, without a warning.
 
 All of this happens while Python runs, so under `tf.function` it is decided
 once per trace, at no cost per step.
 """
 
 import threading
+import weakref
 
 import tensorflow as tf
 
 SCALED = "scaled"
 UNSCALED = "unscaled"
 BY_HAND = "by_hand"
+DIVIDED = "divided"
 
 _thread = threading.local()
 
@@ -33,7 +39,11 @@ _thread = threading.local()
 def _state():
     if not hasattr(_thread, "scaled_losses"):
         _thread.scaled_losses = {}  # id(optimizer) -> the latest unscaled loss
-        _thread.tape_gradients = 0
+        _thread.divided = set()  # id(optimizer) whose gradients were divided
+        # id(variable) -> weakref of each variable a tape differentiated
+        # with respect to since the last `apply` (identity, not equality:
+        # variables compare elementwise).
+        _thread.tape_sources = {}
         _thread.last_losses = {}
         _thread.last_finite = {}
         _thread.last_retry = {}
@@ -71,24 +81,37 @@ def record(optimizer, loss):
     _state().scaled_losses[id(optimizer)] = loss
 
 
-def take(optimizer):
-    """How the gradients of `optimizer`'s current `apply` were made.
+def record_divided(optimizer):
+    """Notes that `optimizer.get_unscaled_gradients` ran in this thread."""
+    _state().divided.add(id(optimizer))
+
+
+def take(optimizer, variables):
+    """How the gradients of `optimizer`'s current `apply` to `variables` were made.
 
     Returns:
-        `(how, loss)`: one of `SCALED`, `UNSCALED`, `BY_HAND`, and the
+        `(how, loss)`: one of `SCALED`, `UNSCALED`, `BY_HAND`, `DIVIDED`, and the
         unscaled loss given to `scale_loss` when it can be used here (a
         tensor of the graph being traced, or an eager tensor), else `None`.
     """
     state = _state()
-    tape_gradients, state.tape_gradients = state.tape_gradients, 0
+    tape_sources, state.tape_sources = state.tape_sources, {}
+    from_tape = any(
+        (ref := tape_sources.get(id(variable))) is not None and ref() is variable
+        for variable in variables
+    )
     if state.step_depth and all(optimizer is not seen for seen in state.applied):
         state.applied.append(optimizer)
+    divided = id(optimizer) in state.divided
+    state.divided.discard(id(optimizer))
     if id(optimizer) in state.scaled_losses:
         loss = _usable_here(state.scaled_losses.pop(id(optimizer)))
         state.last_losses[id(optimizer)] = loss
-        return SCALED, loss
+        return (DIVIDED if divided else SCALED), loss
     state.last_losses[id(optimizer)] = None
-    return (UNSCALED if tape_gradients else BY_HAND), None
+    if divided:
+        return DIVIDED, None
+    return (UNSCALED if from_tape else BY_HAND), None
 
 
 def note_finite(optimizer, finite, retry=None):
@@ -150,18 +173,24 @@ def _usable_here(loss):
     return None
 
 
-def _count_tape_gradients():
+def _record_tape_sources():
     gradient = tf.GradientTape.gradient
     if getattr(gradient, "_kmp_counted", False):
         return
 
-    def counted_gradient(self, *args, **kwargs):
-        _state().tape_gradients += 1
+    def recording_gradient(self, *args, **kwargs):
+        sources = args[1] if len(args) > 1 else kwargs.get("sources")
+        tape_sources = _state().tape_sources
+        for source in tf.nest.flatten(sources):
+            try:
+                tape_sources[id(source)] = weakref.ref(source)
+            except TypeError:
+                pass  # not a variable (a watched tensor): nothing to apply to
         return gradient(self, *args, **kwargs)
 
-    counted_gradient._kmp_counted = True
-    counted_gradient.__doc__ = gradient.__doc__
-    tf.GradientTape.gradient = counted_gradient
+    recording_gradient._kmp_counted = True
+    recording_gradient.__doc__ = gradient.__doc__
+    tf.GradientTape.gradient = recording_gradient
 
 
-_count_tape_gradients()
+_record_tape_sources()

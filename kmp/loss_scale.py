@@ -557,6 +557,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         _loss_record.record(self, loss)
         return ops.multiply(loss, self.loss_scale)
 
+    def get_scaled_loss(self, loss):
+        """tf.keras' name for `scale_loss`."""
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """Returns `grads` divided by the current loss scale (tf.keras' recipe).
+
+        For code written for tf.keras' `LossScaleOptimizer`:
+        `get_scaled_loss` inside the tape, `get_unscaled_gradients` on its
+        gradients, then `apply_gradients`, which then checks them, skips a
+        non-finite step and updates the scale, but does not divide again.
+        `None` entries pass through.
+        """
+        if not self.enabled:
+            return list(grads)
+        _loss_record.record_divided(self)
+        return [None if g is None else _gradients.divide([g], self.loss_scale)[0]
+                for g in grads]
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
             "kmp.LossScaleOptimizer supports the TensorFlow backend, which "
@@ -587,14 +606,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.build(trainable_variables)
             self.built = True
         grads, trainable_variables = self._filter_empty_gradients(list(grads), trainable_variables)
-        how, loss = _loss_record.take(self)
+        how, loss = _loss_record.take(self, trainable_variables)
         if not self.enabled:
             self.inner_optimizer.apply(grads, trainable_variables)
             return
         if how == _loss_record.UNSCALED and not self._warned_unscaled:
             self._warned_unscaled = True
             warnings.warn(_UNSCALED_WARNING.format(name=self.name), stacklevel=2)
-        scaled = how != _loss_record.UNSCALED
+        scaled = how in (_loss_record.SCALED, _loss_record.BY_HAND)
         retries_left = _loss_record.retries_left(self)
         if retries_left is not None:
             _accumulation.refuse_retries(self)

@@ -238,6 +238,50 @@ def test_custom_loop_recipe_skips_an_injected_overflow(compiled):
     assert float(optimizer.loss_scale) == 2.0**7
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tf_keras_recipe_with_get_unscaled_gradients_is_divided_once(compiled):
+    # TensorFlow's mixed-precision guide: get_scaled_loss in the tape,
+    # get_unscaled_gradients on the gradients, then apply_gradients.
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((_FEATURES,)), keras.layers.Dense(1)])
+    reference = keras.Sequential(
+        [keras.Input((_FEATURES,)), keras.layers.Dense(1, dtype="float32")]
+    )
+    reference.set_weights(model.get_weights())
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**8)
+    reference_optimizer = keras.optimizers.SGD(0.01)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(ops.cast(model(x), "float32") - y))
+            scaled = optimizer.get_scaled_loss(loss)
+        grads = optimizer.get_unscaled_gradients(tape.gradient(scaled, model.trainable_weights))
+        optimizer.apply_gradients(zip(grads, model.trainable_weights))
+
+    step = tf.function(step) if compiled else step
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for i in range(4):
+            x = rng.normal(size=(8, _FEATURES)).astype("float32")
+            y = np.zeros((8, 1), "float32")
+            if i == 2:
+                x *= 1e4  # float16 gradients overflow at scale 2**8: skipped
+            step(x, y)
+            if i != 2:
+                with tf.GradientTape() as tape:
+                    loss = ops.mean(ops.square(reference(x) - y))
+                reference_optimizer.apply(
+                    tape.gradient(loss, reference.trainable_weights), reference.trainable_weights
+                )
+    # Divided once: the float32 SGD run, to float16 rounding.
+    for mine, theirs in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-2, atol=1e-3)
+    assert int(optimizer.skipped_steps) == 1 and int(optimizer.iterations) == 3
+    assert float(optimizer.loss_scale) == 2.0**7
+
+
 def test_progress_bar_shows_each_scaler_readably(capsys):
     kmp.set_policy("mixed_float16")
     keras.utils.set_random_seed(0)

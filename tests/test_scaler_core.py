@@ -383,6 +383,25 @@ def test_gradients_of_an_unscaled_loss_are_applied_unscaled_with_one_warning():
     assert int(optimizer.skipped_steps) == 1
 
 
+def test_a_tape_of_other_variables_leaves_hand_scaled_gradients_divided():
+    # A plain model's fit, and a tape of another variable, ran before: the
+    # hand-scaled gradients of `w` (Keras' own test_finite_step) are still
+    # divided, without a warning.
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    plain.compile("sgd", "mse")
+    plain.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    other = keras.Variable([1.0])
+    with tf.GradientTape() as tape:
+        loss = 3.0 * other[0]
+    tape.gradient(loss, [other])
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    w = keras.Variable([1.0, 2.0, 3.0, 4.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.apply([ops.array([1.0, 6.0, 7.0, 2.0]) * optimizer.initial_scale], [w])
+    np.testing.assert_allclose(np.asarray(w), [0.5, -1.0, -0.5, 3.0])
+
+
 def test_scaled_and_hand_scaled_gradients_are_divided_in_a_tf_function():
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8.0)
     w = keras.Variable([1.0])

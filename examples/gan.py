@@ -7,7 +7,8 @@ keras.io's "DCGAN to generate face images", shrunk to scikit-learn's bundled
 8x8 digits (no download). The model subclasses `kmp.Model` instead of
 `keras.Model`; its `compile(d_optimizer, g_optimizer, loss_fn)` and
 `train_step` are the example's own, plus one line per loss:
-`loss = self.d_optimizer.scale_loss(loss)` inside each GradientTape. kmp
+`scaled = self.d_optimizer.scale_loss(loss)` inside each GradientTape,
+whose gradients are taken. kmp
 wraps both optimizers in `kmp.LossScaleOptimizer` before the first step,
 skips a step whose gradients are not finite, and logs each optimizer's loss
 scale and skipped steps (`d_optimizer_loss_scale`, ...). It prints the

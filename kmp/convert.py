@@ -516,8 +516,8 @@ def _check_has_call(model):
             "forward pass, or derive the class from kmp.Model instead: `class "
             f"{cls.__name__}(kmp.Model): ...` and call kmp.set_policy(...) "
             "before building it. kmp then wraps every optimizer it holds and "
-            "reports each; add `loss = self.<optimizer>.scale_loss(loss)` "
-            "inside each GradientTape."
+            "reports each; add `scaled_loss = self.<optimizer>.scale_loss(loss)` "
+            "inside each GradientTape and take the gradients of `scaled_loss`."
         )
 
 

@@ -30,6 +30,8 @@ the inner optimizer then.
 import collections
 import math
 import numbers
+import os
+import sys
 import warnings
 
 import keras
@@ -175,11 +177,27 @@ _UNSCALED_WARNING = (
     "for this optimizer in this step. They are applied as they are (not "
     "divided by the loss scale) and non-finite steps are still skipped, but "
     "small float16 gradients can underflow to zero. Add one line inside the "
-    "tape, before `tape.gradient`: `loss = optimizer.scale_loss(loss)`."
+    "tape, `scaled_loss = optimizer.scale_loss(loss)`, and take "
+    "`tape.gradient(scaled_loss, ...)` (keep `loss` for your metrics)."
 )
 
 
 _DEFAULT_GROWTH_INTERVAL = 2000
+
+# Where kmp, Keras and TensorFlow live: a warning about the user's code points
+# at the first line outside them (`apply_gradients` reaches `apply` through
+# Keras, and a train step through Keras' trainer).
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(path) + os.sep for path in (__file__, keras.__file__, tf.__file__)
+)
+
+
+def _user_stacklevel():
+    """The `stacklevel` for `warnings.warn` that names the caller's own line."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 _RULE_SETTINGS = ("dynamic", "growth_factor", "backoff_factor", "growth_interval",
                   "hysteresis", "min_scale", "max_scale")
@@ -612,7 +630,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         if how == _loss_record.UNSCALED and not self._warned_unscaled:
             self._warned_unscaled = True
-            warnings.warn(_UNSCALED_WARNING.format(name=self.name), stacklevel=2)
+            warnings.warn(_UNSCALED_WARNING.format(name=self.name), stacklevel=_user_stacklevel())
         scaled = how in (_loss_record.SCALED, _loss_record.BY_HAND)
         retries_left = _loss_record.retries_left(self)
         if retries_left is not None:

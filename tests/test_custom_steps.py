@@ -173,7 +173,7 @@ def _train_vae(scaled, loss_scale, keras_recipe=False, data_scale=1.0, learning_
 
 
 def test_vae_code_unchanged_trains_as_without_scaling_not_divided_by_the_scale():
-    with pytest.warns(UserWarning, match=r"loss = optimizer.scale_loss\(loss\)"):
+    with pytest.warns(UserWarning, match=r"scaled_loss = optimizer.scale_loss\(loss\)"):
         vae, history = _train_vae(scaled=False, loss_scale="auto")
     reference, _ = _train_vae(scaled=False, loss_scale=None)
     moved = [np.abs(np.asarray(v) - np.asarray(r)).max() for v, r in zip(vae.weights, reference.weights)]

@@ -2,6 +2,7 @@
 variables safe without merge_call, accumulation traffic, the pass-through
 switch and gradients of a loss that was never scaled."""
 
+import inspect
 import warnings
 
 import keras
@@ -372,7 +373,7 @@ def test_explicit_scaler_under_bfloat16_and_float32_scales_exactly(policy):
 
 def test_gradients_of_an_unscaled_loss_are_applied_unscaled_with_one_warning():
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=2.0**15)
-    with pytest.warns(UserWarning, match=r"loss = optimizer.scale_loss\(loss\)") as record:
+    with pytest.warns(UserWarning, match=r"scaled_loss = optimizer.scale_loss\(loss\)") as record:
         weights = _train_sgd(optimizer, [[1.0, 2.0], [1.0, 2.0]], scaled=False)
     assert sum("scale_loss" in str(w.message) for w in record) == 1
     np.testing.assert_allclose(weights, [0.0, -1.0])  # 1 - 2 * 0.5 * g
@@ -381,6 +382,21 @@ def test_gradients_of_an_unscaled_loss_are_applied_unscaled_with_one_warning():
         warnings.simplefilter("error")
         _train_sgd(optimizer, [[np.inf, 0.0]], scaled=False)
     assert int(optimizer.skipped_steps) == 1
+
+
+def test_the_unscaled_warning_points_at_the_users_line_through_apply_gradients():
+    # apply_gradients reaches apply through Keras' optimizer: the warning still
+    # names the caller's file and line, not kmp's or Keras'.
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    w = keras.Variable([1.0])
+    with tf.GradientTape() as tape:
+        loss = 2.0 * w[0]
+    grads = tape.gradient(loss, [w])
+    with pytest.warns(UserWarning, match="was not scaled") as record:
+        line = inspect.currentframe().f_lineno + 1
+        optimizer.apply_gradients(zip(grads, [w]))
+    (warning,) = [w for w in record if "was not scaled" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, line)
 
 
 def test_a_tape_of_other_variables_leaves_hand_scaled_gradients_divided():

@@ -15,6 +15,7 @@ for each layer (the model itself included, input layers excluded):
 ```
 """
 
+import contextlib
 import os
 import zipfile
 
@@ -80,6 +81,32 @@ def _inference_policies(model, policy_name):
         if new_policy is not None and new_policy != layer.dtype_policy.name:
             changed[layer] = new_policy
     return changed
+
+
+def _convert_wrappers(model):
+    """The models in `model` that `kmp.convert` wrapped: each switches the
+    wrapped layers to its policy at every call, unless that is `None`."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if getattr(layer, "_kmp_wrapped_policy", None) is not None
+    ]
+
+
+@contextlib.contextmanager
+def _inference_layers(model, policy_name):
+    """`model`'s layers under `policy_name` by the module's rule, for the
+    duration; a wrapper of `kmp.convert` leaves them so while it runs."""
+    wrappers = _convert_wrappers(model) if policy_name is not None else []
+    policies = [wrapper._kmp_wrapped_policy for wrapper in wrappers]
+    try:
+        for wrapper in wrappers:
+            wrapper._kmp_wrapped_policy = None
+        with policy_module._layer_policies(_inference_policies(model, policy_name)):
+            yield
+    finally:
+        for wrapper, policy in zip(wrappers, policies):
+            wrapper._kmp_wrapped_policy = policy
 
 
 def export(
@@ -167,7 +194,7 @@ def export(
     # The layers are switched in place: the variables (float32 under every
     # kmp policy) are shared, so nothing is copied and the export sees
     # exactly the trained weights.
-    with policy_module._layer_policies(_inference_policies(model, policy_name)):
+    with _inference_layers(model, policy_name):
         if format != "tf_saved_model":
             keras.Model.export(
                 model,
@@ -250,6 +277,8 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
         )
     for layer, new_policy in _inference_policies(model, policy_name).items():
         layer.dtype_policy = new_policy
+    for wrapper in _convert_wrappers(model):
+        wrapper._kmp_wrapped_policy = None  # its layers follow `policy` now
     if compile:
         _add_loss_scaling_if_needed(model)
     return model

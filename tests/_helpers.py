@@ -1,5 +1,5 @@
-"""Helpers the tests share: child-process environments, float16 tolerances and
-a layer that records the dtype it is handed.
+"""Helpers the tests share: child-process environments, float16 tolerances,
+a layer that records the dtype it is handed and the dtypes of a SavedModel.
 
 Imported as `from _helpers import ...`: pytest puts `tests/` on `sys.path`
 because `tests/conftest.py` lives there and `tests/` is not a package.
@@ -9,6 +9,8 @@ import os
 
 import keras
 import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -199,3 +201,22 @@ def free_ports(count):
     finally:
         for s in sockets:
             s.close()
+
+
+def graph_dtypes(saved_model_dir):
+    """Every dtype named by a node attribute of the SavedModel's graph and
+    function library (the ops TF Serving and TFLite would run)."""
+    saved_model = saved_model_pb2.SavedModel()
+    with open(os.path.join(saved_model_dir, "saved_model.pb"), "rb") as f:
+        saved_model.ParseFromString(f.read())
+    dtypes = set()
+    for meta_graph in saved_model.meta_graphs:
+        nodes = list(meta_graph.graph_def.node)
+        for function in meta_graph.graph_def.library.function:
+            nodes.extend(function.node_def)
+        for node in nodes:
+            for value in node.attr.values():
+                if value.type:
+                    dtypes.add(tf.as_dtype(value.type).name)
+                dtypes.update(tf.as_dtype(t).name for t in value.list.type)
+    return dtypes

@@ -12,6 +12,7 @@ import tensorflow as tf
 from keras import ops
 
 from _helpers import DtypeProbe
+from _helpers import graph_dtypes
 import kmp
 from kmp.convert import _WrappedModel
 from kmp.model import FunctionalModel
@@ -319,6 +320,10 @@ def test_wrapper_keeps_policy_keep_float32_and_its_class_in_a_keras_file(tower, 
         history = loaded.fit(x, np.ones((2, model.units), "float32"), verbose=0).history
         assert ("own_step" in history) == (tower is TowerWithStep), how
         assert history["loss_scale"] == [512.0], how
+    # Loaded under another policy, the wrapper computes in that one.
+    loaded = kmp.load_model(path, policy="float32")
+    loaded(x)
+    assert loaded.wrapped.free.seen[-1] == "float32"
 
 
 # --- keep_float32 in a .keras file, models Keras cannot rebuild, no call() ---
@@ -408,6 +413,32 @@ def test_a_functional_model_keras_cannot_rebuild_is_wrapped_with_a_warning():
     converted.fit(tokens, np.zeros((2, 2), "float32"), verbose=0)
     # The wrapper shares the original's weights: it trains them.
     np.testing.assert_allclose(np.asarray(converted(tokens)), np.asarray(model(tokens)), atol=1e-2)
+
+
+def test_a_wrapped_model_exports_and_loads_in_the_policy_asked_for(tmp_path):
+    # kmp.convert's wrapper switches the original's layers to its policy at
+    # every call; export and kmp.load_model set them to another policy, and
+    # the wrapper must leave them so (it used to serve float16 matmuls in a
+    # float32 export).
+    inputs = keras.Input((8,), dtype="int32")
+    x = TokenAndPositionEmbedding(8, 50, 4)(inputs)
+    outputs = keras.layers.Dense(2)(keras.layers.Dense(6)(x))
+    model = keras.Model(inputs, outputs, name="classifier")
+    with pytest.warns(UserWarning, match="could not rebuild"):
+        converted = kmp.convert(model, "mixed_float16", compile=False)
+    assert isinstance(converted, _WrappedModel)
+    tokens = np.arange(16).reshape(2, 8) % 50
+    trained = np.asarray(converted(tokens))
+    converted.export(tmp_path / "f32", inference_policy="float32", verbose=False)
+    converted.export(tmp_path / "f16", verbose=False)
+    assert "float16" not in graph_dtypes(tmp_path / "f32")
+    assert "float16" in graph_dtypes(tmp_path / "f16")
+    loaded = tf.saved_model.load(str(tmp_path / "f32"))
+    served = loaded.serve(tokens)
+    np.testing.assert_allclose(np.asarray(served), np.asarray(model(tokens)), rtol=1e-6, atol=1e-6)
+    # After the export, the wrapper computes in float16 again.
+    assert not np.allclose(trained, np.asarray(model(tokens)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(converted(tokens)), trained)
 
 
 class KerasVAE(keras.Model):

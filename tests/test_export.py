@@ -15,6 +15,7 @@ import kmp
 from _helpers import assert_close_to_float16_rounding
 from _helpers import child_env
 from _helpers import float32_compute_dtype
+from _helpers import graph_dtypes
 from kmp import policy as policy_module
 
 # How far apart outputs of these two-layer models may be, in roundings to the
@@ -31,25 +32,6 @@ AGAINST_FLOAT32 = 4 * 2
 # differ in the matmul's output (accumulation order, rounded before or after
 # the bias add when XLA fuses it) and in the bias add: 2 per Dense layer.
 BETWEEN_ENGINES = 2 * 2
-
-
-def _graph_dtypes(saved_model_dir):
-    """Every dtype named by a node attribute of the SavedModel's graph and
-    function library (the ops TF Serving and TFLite would run)."""
-    saved_model = saved_model_pb2.SavedModel()
-    with open(os.path.join(saved_model_dir, "saved_model.pb"), "rb") as f:
-        saved_model.ParseFromString(f.read())
-    dtypes = set()
-    for meta_graph in saved_model.meta_graphs:
-        nodes = list(meta_graph.graph_def.node)
-        for function in meta_graph.graph_def.library.function:
-            nodes.extend(function.node_def)
-        for node in nodes:
-            for value in node.attr.values():
-                if value.type:
-                    dtypes.add(tf.as_dtype(value.type).name)
-                dtypes.update(tf.as_dtype(t).name for t in value.list.type)
-    return dtypes
 
 
 def _tiny_model():
@@ -102,9 +84,9 @@ def test_float32_export_of_float16_model_matches_and_has_no_float16_op(tmp_path)
     assert_close_to_float16_rounding(
         outputs16, training_predictions, roundings=BETWEEN_ENGINES
     )
-    assert "float16" not in _graph_dtypes(tmp_path / "f32")
+    assert "float16" not in graph_dtypes(tmp_path / "f32")
     # The check sees float16 when it is there.
-    assert "float16" in _graph_dtypes(tmp_path / "f16")
+    assert "float16" in graph_dtypes(tmp_path / "f16")
     # Export leaves the model as it was.
     assert [layer.dtype_policy.name for layer in model.layers] == policies_before
     signature = served32.signatures["serving_default"]
@@ -124,12 +106,12 @@ def test_export_bfloat16_and_auto(tmp_path):
     assert_close_to_float16_rounding(
         served.serve(x), reference, roundings=AGAINST_FLOAT32, dtype="bfloat16"
     )
-    dtypes = _graph_dtypes(tmp_path / "bf16")
+    dtypes = graph_dtypes(tmp_path / "bf16")
     assert "bfloat16" in dtypes and "float16" not in dtypes
 
     kmp.export(model, tmp_path / "auto", verbose=False, inference_policy="auto")
     auto_compute = policy_module._resolve_auto().compute_dtype
-    dtypes = _graph_dtypes(tmp_path / "auto")
+    dtypes = graph_dtypes(tmp_path / "auto")
     assert "float16" not in dtypes  # "auto" never picks float16 without a GPU
     assert ("bfloat16" in dtypes) == (auto_compute == "bfloat16")
 
@@ -153,7 +135,7 @@ def test_helper_exports_plain_keras_model_with_float32_outputs(tmp_path):
     served32 = tf.saved_model.load(str(tmp_path / "f32"))
     assert as_trained.serve(x).dtype == tf.float32
     assert served32.serve(x).dtype == tf.float32
-    assert "float16" not in _graph_dtypes(tmp_path / "f32")
+    assert "float16" not in graph_dtypes(tmp_path / "f32")
     assert_close_to_float16_rounding(
         served32.serve(x), model.predict(x, verbose=0), roundings=AGAINST_FLOAT32
     )
@@ -197,7 +179,7 @@ def test_subclassed_model_export(tmp_path):
     model.export(tmp_path / "f32", verbose=False, inference_policy="float32")
     served = tf.saved_model.load(str(tmp_path / "f32"))
     assert_close_to_float16_rounding(served.serve(x), predictions, roundings=AGAINST_FLOAT32)
-    assert "float16" not in _graph_dtypes(tmp_path / "f32")
+    assert "float16" not in graph_dtypes(tmp_path / "f32")
     assert model.hidden.compute_dtype == "float16"
 
 

@@ -620,7 +620,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._trainable_variables if trainable_variables is None else trainable_variables
         )
         if not self.built:
-            with keras.name_scope(self.name, caller=self):
+            # Built outside any tf.function: built inside one, in a replica of
+            # MirroredStrategy, the variables' initializers are left as
+            # placeholders in a cond ("You must feed a value for placeholder
+            # tensor"), as Keras' own Adam and LossScaleOptimizer are.
+            with tf.init_scope(), keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
         grads, trainable_variables = self._filter_empty_gradients(list(grads), trainable_variables)

@@ -52,6 +52,36 @@ def _distributed_sgd_step(strategy, optimizer, scaled):
 
 
 
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_built_lazily_inside_a_tf_function_under_mirrored(mirrored_strategy, inner):
+    # tf-keras' scaler tests build the optimizer in its first apply_gradients,
+    # inside tf.function(strategy.run(step)). Keras' own Adam fails there on
+    # two replicas (its slots' initializers are left as placeholders); kmp
+    # builds its state and the inner optimizer's outside the function.
+    replicas = mirrored_strategy.num_replicas_in_sync
+    with mirrored_strategy.scope():
+        w = tf.Variable([1.0, 2.0])
+        optimizer = kmp.LossScaleOptimizer(
+            keras.optimizers.get(inner), initial_scale=2.0, growth_interval=1
+        )
+        optimizer.inner_optimizer.learning_rate = 1.0
+
+    def replica_step():
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(tf.reduce_sum(w * 2.0) / replicas)
+        grads = tape.gradient(loss, [w])
+        optimizer.apply_gradients(zip(grads, [w]))
+
+    step = tf.function(lambda: mirrored_strategy.run(replica_step))
+    step()
+    step()
+    # Gradient 2 per element each step: SGD moves by 2, Adam by its learning rate 1.
+    expected = [-3.0, -2.0] if inner == "sgd" else [-1.0, 0.0]
+    np.testing.assert_allclose(w.numpy(), expected, atol=1e-4)
+    assert float(optimizer.loss_scale) == 8.0  # grew after each finite step
+    assert int(optimizer.iterations.numpy()) == 2 and int(optimizer.skipped_steps) == 0
+
+
 @_needs_multi_optimizer
 def test_multi_optimizer_under_mirrored_equals_the_unwrapped_run(mirrored_strategy):
     with mirrored_strategy.scope():

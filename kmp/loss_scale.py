@@ -184,6 +184,17 @@ _UNSCALED_WARNING = (
 
 _DEFAULT_GROWTH_INTERVAL = 2000
 
+# Base-optimizer settings in the configs of Keras' LossScaleOptimizer before
+# 3.4, at the values it wrote (see `LossScaleOptimizer.from_config`).
+_KERAS_BASE_DEFAULTS = {
+    "weight_decay": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
 # Where kmp, Keras and TensorFlow live: a warning about the user's code points
 # at the first line outside them (`apply_gradients` reaches `apply` through
 # Keras, and a train step through Keras' trainer).
@@ -269,7 +280,11 @@ def _check_number(name, value, *, allow_none=False, rule="a finite number > 0",
 
 
 def _check_integer(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    # A float with an integer value (2.0) is accepted, as Keras and tf.keras do.
+    integral = isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer()
+    )
+    if isinstance(value, bool) or not integral or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
 
 
@@ -576,7 +591,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return ops.multiply(loss, self.loss_scale)
 
     def get_scaled_loss(self, loss):
-        """tf.keras' name for `scale_loss`."""
+        """tf.keras' name for `scale_loss`; a callable `loss` gives a callable.
+
+        Args:
+            loss: A loss tensor, or a zero-argument callable returning one
+                (as tf.keras' `minimize` takes).
+
+        Returns:
+            `scale_loss(loss)`, or a callable returning `scale_loss(loss())`.
+        """
+        if callable(loss):
+            return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
 
     def get_unscaled_gradients(self, grads):
@@ -773,6 +798,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        # Keras' LossScaleOptimizer (before 3.4) wrote its base optimizer's
+        # settings too; at these defaults they mean nothing and are dropped,
+        # as Keras' own from_config does.
+        for key, default in _KERAS_BASE_DEFAULTS.items():
+            if key in config and config[key] == default:
+                del config[key]
+            elif key in config:
+                raise ValueError(
+                    f"kmp.LossScaleOptimizer does not take `{key}`: set it on the "
+                    f"inner optimizer. Received: {key}={config[key]!r}"
+                )
         inner_optimizer = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )

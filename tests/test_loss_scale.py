@@ -338,6 +338,7 @@ def test_string_inner_optimizer_is_resolved():
         ({"backoff_factor": 0.0}, "backoff_factor"),
         ({"growth_interval": 0}, "growth_interval"),
         ({"growth_interval": 2.5}, "growth_interval"),
+        ({"growth_interval": float("inf")}, "growth_interval"),
         ({"growth_interval": True}, "growth_interval"),
         ({"hysteresis": 0}, "hysteresis"),
         ({"clipnorm": 0.0}, "clipnorm"),
@@ -411,6 +412,40 @@ def test_keras_dynamic_growth_steps_is_the_growth_interval():
     assert optimizer.get_config()["growth_interval"] == 2
     same = kmp.LossScaleOptimizer("sgd", growth_interval=5, dynamic_growth_steps=5)
     assert same.growth_interval == 5
+    # tf.keras' tests pass whole floats; Keras' own scaler takes them too.
+    assert kmp.LossScaleOptimizer("sgd", dynamic_growth_steps=2.0).growth_interval == 2
+    assert kmp.LossScaleOptimizer("sgd", hysteresis=3.0).hysteresis == 3
+    keras_scaler = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), dynamic_growth_steps=3.0)
+    inputs = keras.Input((2,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(keras_scaler, "mse", loss_scale="dynamic")
+    assert model.optimizer.growth_interval == 3
+
+
+def test_from_config_takes_a_config_of_keras_own_scaler_before_3_4():
+    # Keras' backwards-compatibility test: its scaler's configs used to carry
+    # the base optimizer's settings, at their defaults.
+    config = {
+        "name": "loss_scale_optimizer", "weight_decay": None, "clipnorm": None,
+        "global_clipnorm": None, "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
+        "ema_overwrite_frequency": None, "loss_scale_factor": None,
+        "gradient_accumulation_steps": None,
+        "inner_optimizer": keras.optimizers.serialize(keras.optimizers.SGD(0.5)),
+        "initial_scale": 2.0, "dynamic_growth_steps": 2,
+    }
+    optimizer = kmp.LossScaleOptimizer.from_config(config)
+    assert optimizer.growth_interval == 2 and float(optimizer.loss_scale) == 2.0
+    assert float(optimizer.inner_optimizer.learning_rate) == 0.5
+    with pytest.raises(ValueError, match=r"set it on the inner optimizer. Received: use_ema=True"):
+        kmp.LossScaleOptimizer.from_config({**config, "use_ema": True})
+
+
+def test_get_scaled_loss_of_a_callable_is_a_callable():
+    # tf.keras' get_scaled_loss takes the loss callables its minimize() takes.
+    optimizer = kmp.LossScaleOptimizer("sgd", initial_scale=8.0)
+    scaled = optimizer.get_scaled_loss(lambda: ops.convert_to_tensor(1.25))
+    assert callable(scaled) and float(scaled()) == 10.0
+    assert float(optimizer.get_scaled_loss(ops.convert_to_tensor(1.25))) == 10.0
 
 
 def test_plain_keras_model_uses_it_without_wrapping_again():

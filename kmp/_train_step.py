@@ -8,6 +8,8 @@
   whose gradients overflowed at a lower scale.
 - `wrap_optimizers` makes every optimizer a model holds a loss scaler before
   the first step is traced.
+- `held_models_return_float32` makes the Keras models a custom step calls
+  (a GAN's generator and discriminator) return float32, as kmp.Model does.
 """
 
 import functools
@@ -19,6 +21,7 @@ from keras import ops
 from kmp import _loss_record
 from kmp import _optimizers
 from kmp import loss_scale as loss_scale_module
+from kmp import policy as policy_module
 
 # Log keys that carry kmp.callbacks.LossScaleMonitor's per-step values out of
 # the train function; kmp.Model's `make_train_function` removes them.
@@ -45,6 +48,8 @@ def reporting_scalers(train_step, own=False):
                 "overflow_retries=0. Received: overflow_retries="
                 f"{self._kmp_overflow_retries}"
             )
+        if not own:
+            held_models_return_float32(self)
         with _loss_record.train_step() as applied:
             logs = train_step(self, data)
         if applied and isinstance(logs, dict):
@@ -52,6 +57,38 @@ def reporting_scalers(train_step, own=False):
         return logs
 
     return train_step_with_scaler_logs
+
+
+def held_models_return_float32(model):
+    """Makes each Keras model `model` holds as an attribute return float32.
+
+    A custom train_step mixes its sub-models' outputs with float32 data
+    (keras.io's GAN guide: `tf.concat([self.generator(z), real_images])`;
+    WGAN-GP: `fake_images - real_images`), which TensorFlow refuses for a
+    float16 tensor; Keras' own mixed precision fails there. kmp.Model returns
+    float32 under every policy, and so do the models it holds, from the
+    first step on: their `call` casts floating outputs to float32 (the next
+    layer casts them back to its compute dtype; a float32 output is left as
+    it is). Done once per model.
+    """
+    for name, value in list(vars(model).items()):
+        if (
+            name.startswith("_")
+            or not isinstance(value, keras.Model)
+            or getattr(value, "_kmp_returns_float32", False)
+        ):
+            continue
+        # object.__setattr__: an instance attribute Keras does not track.
+        object.__setattr__(value, "call", _returning_float32(value.call))
+        object.__setattr__(value, "_kmp_returns_float32", True)
+
+
+def _returning_float32(call):
+    @functools.wraps(call)
+    def call_returning_float32(*args, **kwargs):
+        return policy_module._to_float32(call(*args, **kwargs))
+
+    return call_returning_float32
 
 
 def run_train_step(model, data, keras_train_step):

@@ -126,6 +126,54 @@ def test_gan_code_unchanged_is_never_divided_and_warns_once_per_optimizer():
     assert history["d_optimizer_skipped_steps"] == [0]
 
 
+def _mixing_gan(policy):
+    """A step that mixes its sub-models' outputs with float32 data the way
+    keras.io's GAN guide (tf.concat) and WGAN-GP (fake - real) do, with no
+    cast of its own."""
+    kmp.set_policy(policy)
+    keras.utils.set_random_seed(0)
+
+    class GAN(kmp.Model):
+        def __init__(self):
+            super().__init__()
+            self.discriminator = _mlp(_FEATURES, 1, "discriminator")
+            self.generator = _mlp(_LATENT, _FEATURES, "generator")
+
+        def train_step(self, data):
+            real, latent = data
+            fake = self.generator(latent)
+            combined = tf.concat([fake, real], axis=0)
+            with tf.GradientTape() as tape:
+                d_loss = tf.reduce_mean(tf.square(self.discriminator(combined)))
+                d_loss = d_loss + tf.reduce_mean(tf.square(fake - real))
+                scaled = self.optimizer.scale_loss(d_loss)
+            variables = self.discriminator.trainable_weights
+            self.optimizer.apply_gradients(zip(tape.gradient(scaled, variables), variables))
+            return {"d_loss": d_loss}
+
+        def call(self, latent):
+            return self.generator(latent)
+
+    gan = GAN()
+    gan.compile(keras.optimizers.SGD(0.01))
+    return gan, gan.fit(_gan_data(), epochs=1, verbose=0).history
+
+
+def test_a_custom_step_mixes_its_sub_models_outputs_with_float32_data():
+    # Under Keras' own mixed_float16 both lines raise TypeError ("Tensors in
+    # list passed to 'values' of 'ConcatV2' Op have types [float16,
+    # float32]"); a kmp.Model's sub-models return float32, as it does.
+    gan, history = _mixing_gan("mixed_float16")
+    reference, reference_history = _mixing_gan("float32")
+    np.testing.assert_allclose(history["d_loss"], reference_history["d_loss"], rtol=1e-2)
+    latent = np.ones((2, _LATENT), "float32")
+    assert gan.generator(latent).dtype == "float32"
+    # They still compute in float16 inside.
+    assert [layer.compute_dtype for layer in gan.generator.layers] == ["float16", "float16"]
+    assert gan.generator.layers[-1](np.ones((2, 8), "float32")).dtype == "float16"
+    assert reference.generator(latent).dtype == "float32"
+
+
 def _vae_class(base):
     class VAE(base):
         """keras.io's VAE shape: its own train_step on `self.optimizer`."""

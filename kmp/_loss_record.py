@@ -86,6 +86,13 @@ def record_divided(optimizer):
     _state().divided.add(id(optimizer))
 
 
+def _differentiated(tape_sources, variable):
+    # No `:=` here: AutoGraph, converting this module inside a tf.function,
+    # warns that it cannot transform a function that uses one.
+    ref = tape_sources.get(id(variable))
+    return ref is not None and ref() is variable
+
+
 def take(optimizer, variables):
     """How the gradients of `optimizer`'s current `apply` to `variables` were made.
 
@@ -96,10 +103,7 @@ def take(optimizer, variables):
     """
     state = _state()
     tape_sources, state.tape_sources = state.tape_sources, {}
-    from_tape = any(
-        (ref := tape_sources.get(id(variable))) is not None and ref() is variable
-        for variable in variables
-    )
+    from_tape = any(_differentiated(tape_sources, variable) for variable in variables)
     if state.step_depth and all(optimizer is not seen for seen in state.applied):
         state.applied.append(optimizer)
     divided = id(optimizer) in state.divided

@@ -255,7 +255,7 @@ def test_vae_with_one_line_matches_keras_own_scaler_recipe():
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_custom_loop_recipe_skips_an_injected_overflow(compiled):
+def test_custom_loop_recipe_skips_an_injected_overflow(compiled, caplog):
     # The README's recipe: GradientTape, scale_loss, apply_gradients, counters.
     kmp.set_policy("mixed_float16")
     keras.utils.set_random_seed(0)
@@ -284,6 +284,8 @@ def test_custom_loop_recipe_skips_an_injected_overflow(compiled):
     assert int(optimizer.skipped_steps) == 1
     assert int(optimizer.iterations) == 3
     assert float(optimizer.loss_scale) == 2.0**7
+    # AutoGraph converted kmp's code in the traced step without a complaint.
+    assert not [r for r in caplog.records if "AutoGraph could not transform" in r.getMessage()]
 
 
 @pytest.mark.parametrize("compiled", [False, True])

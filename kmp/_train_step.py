@@ -248,3 +248,6 @@ def wrap_optimizers(model, loss_scale_optimizer):
         wrapped = loss_scale_optimizer(optimizer, loss_scale, model)
         if wrapped is not optimizer:
             setattr(model, name, wrapped)
+    # Each scaler's warnings name the attribute that holds it.
+    for name, optimizer in _optimizers.scaling_optimizers(model).items():
+        object.__setattr__(optimizer, "_kmp_attribute", name)

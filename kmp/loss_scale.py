@@ -172,12 +172,12 @@ _Decision = collections.namedtuple(
 )
 
 _UNSCALED_WARNING = (
-    "kmp.LossScaleOptimizer '{name}' received gradients of a loss that was "
+    "kmp.LossScaleOptimizer '{name}'{held_as} received gradients of a loss that was "
     "not scaled: a GradientTape computed them, but `scale_loss` did not run "
     "for this optimizer in this step. They are applied as they are (not "
     "divided by the loss scale) and non-finite steps are still skipped, but "
     "small float16 gradients can underflow to zero. Add one line inside the "
-    "tape, `scaled_loss = optimizer.scale_loss(loss)`, and take "
+    "tape, `scaled_loss = {attribute}.scale_loss(loss)`, and take "
     "`tape.gradient(scaled_loss, ...)` (keep `loss` for your metrics)."
 )
 
@@ -659,7 +659,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         if how == _loss_record.UNSCALED and not self._warned_unscaled:
             self._warned_unscaled = True
-            warnings.warn(_UNSCALED_WARNING.format(name=self.name), stacklevel=_user_stacklevel())
+            # The model's attribute that holds it (a GAN's `d_optimizer`), set
+            # by kmp.Model: in a traced step, the warning's line is AutoGraph's.
+            attribute = getattr(self, "_kmp_attribute", None)
+            message = _UNSCALED_WARNING.format(
+                name=self.name,
+                held_as=f" (the model's `{attribute}`)" if attribute else "",
+                attribute=f"self.{attribute}" if attribute else "optimizer",
+            )
+            warnings.warn(message, stacklevel=_user_stacklevel())
         scaled = how in (_loss_record.SCALED, _loss_record.BY_HAND)
         retries_left = _loss_record.retries_left(self)
         if retries_left is not None:

@@ -119,6 +119,12 @@ def test_gan_code_unchanged_is_never_divided_and_warns_once_per_optimizer():
         kmp_gan, history = _train_gan(kmp.Model, False, lambda: keras.optimizers.SGD(0.05))
     unscaled = [str(w.message) for w in record if "was not scaled" in str(w.message)]
     assert len(unscaled) == 2  # d_optimizer and g_optimizer, once each
+    # Each names the attribute and the line to add (in fit, the warning's own
+    # location is AutoGraph's copy of the step).
+    assert sorted(m.split("(the model's `")[1].split("`")[0] for m in unscaled) == [
+        "d_optimizer", "g_optimizer"
+    ]
+    assert any("scaled_loss = self.d_optimizer.scale_loss(loss)" in m for m in unscaled)
     # The same as the example run without any loss scaling.
     plain_gan, plain_history = _train_gan(keras.Model, False, lambda: keras.optimizers.SGD(0.05))
     for mine, theirs in zip(kmp_gan.weights, plain_gan.weights):
@@ -221,7 +227,7 @@ def _train_vae(scaled, loss_scale, keras_recipe=False, data_scale=1.0, learning_
 
 
 def test_vae_code_unchanged_trains_as_without_scaling_not_divided_by_the_scale():
-    with pytest.warns(UserWarning, match=r"scaled_loss = optimizer.scale_loss\(loss\)"):
+    with pytest.warns(UserWarning, match=r"scaled_loss = self.optimizer.scale_loss\(loss\)"):
         vae, history = _train_vae(scaled=False, loss_scale="auto")
     reference, _ = _train_vae(scaled=False, loss_scale=None)
     moved = [np.abs(np.asarray(v) - np.asarray(r)).max() for v, r in zip(vae.weights, reference.weights)]

@@ -210,6 +210,22 @@ def _user_stacklevel():
         frame, level = frame.f_back, level + 1
     return level
 
+
+def _warn_unscaled(optimizer):
+    """Warns that `optimizer` got gradients of an unscaled loss, at the user's line.
+
+    Names the model attribute that holds it (a GAN's `d_optimizer`, set by
+    kmp.Model): in a traced step, the warning's line is AutoGraph's.
+    """
+    attribute = getattr(optimizer, "_kmp_attribute", None)
+    message = _UNSCALED_WARNING.format(
+        name=optimizer.name,
+        held_as=f" (the model's `{attribute}`)" if attribute else "",
+        attribute=f"self.{attribute}" if attribute else "optimizer",
+    )
+    warnings.warn(message, stacklevel=_user_stacklevel())
+
+
 _RULE_SETTINGS = ("dynamic", "growth_factor", "backoff_factor", "growth_interval",
                   "hysteresis", "min_scale", "max_scale")
 
@@ -282,7 +298,7 @@ def _check_number(name, value, *, allow_none=False, rule="a finite number > 0",
 def _check_integer(name, value, minimum):
     # A float with an integer value (2.0) is accepted, as Keras and tf.keras do.
     integral = isinstance(value, numbers.Integral) or (
-        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer()
+        isinstance(value, numbers.Real) and float(value).is_integer()  # False for inf, nan
     )
     if isinstance(value, bool) or not integral or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
@@ -615,9 +631,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.enabled:
             return list(grads)
+        grads = list(grads)
         _loss_record.record_divided(self)
-        return [None if g is None else _gradients.divide([g], self.loss_scale)[0]
-                for g in grads]
+        return _gradients.divide(grads, self.loss_scale, keep=[g is None for g in grads])
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -659,15 +675,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         if how == _loss_record.UNSCALED and not self._warned_unscaled:
             self._warned_unscaled = True
-            # The model's attribute that holds it (a GAN's `d_optimizer`), set
-            # by kmp.Model: in a traced step, the warning's line is AutoGraph's.
-            attribute = getattr(self, "_kmp_attribute", None)
-            message = _UNSCALED_WARNING.format(
-                name=self.name,
-                held_as=f" (the model's `{attribute}`)" if attribute else "",
-                attribute=f"self.{attribute}" if attribute else "optimizer",
-            )
-            warnings.warn(message, stacklevel=_user_stacklevel())
+            _warn_unscaled(self)
         scaled = how in (_loss_record.SCALED, _loss_record.BY_HAND)
         retries_left = _loss_record.retries_left(self)
         if retries_left is not None:

@@ -272,14 +272,10 @@ class Model(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         _train_step.wrap_optimizers(self, _loss_scale_optimizer)
-        if distribute_module.is_multi_worker(self.distribute_strategy):
-            # Keras' own train function fails across workers.
-            self.train_function = distribute_module.make_multi_worker_function(
-                self, self.train_step
-            )
-        else:
-            super().make_train_function(force=force)
-        keras_train_function = self.train_function
+        super().make_train_function(force=force)
+        keras_train_function = distribute_module.train_or_test_function(
+            self, self.train_step, self.train_function
+        )
 
         def train_function(iterator):
             logs = keras_train_function(iterator)
@@ -305,10 +301,9 @@ class Model(keras.Model):
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:
             return self.test_function
-        if not distribute_module.is_multi_worker(self.distribute_strategy):
-            return super().make_test_function(force=force)
-        self.test_function = distribute_module.make_multi_worker_function(
-            self, self.test_step
+        super().make_test_function(force=force)
+        self.test_function = distribute_module.train_or_test_function(
+            self, self.test_step, self.test_function
         )
         return self.test_function
 

@@ -1,0 +1,165 @@
+"""kmp.Model's own train and test functions (`kmp.distribute.make_function`)
+give what Keras' own give, for every kind of input `fit` takes.
+
+With one replica and one step per call kmp runs each step without Keras'
+`tf.experimental.Optional` wrapping (see `train_or_test_function`): the
+reference here is a plain `keras.Model` with the same weights and data, in
+float32, where kmp adds nothing else to the step.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+
+
+def _model(model_class):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    outputs = keras.layers.Dense(3)(hidden)
+    return model_class(inputs, outputs)
+
+
+def _arrays(n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.integers(0, 3, n)
+    weights = rng.uniform(0.5, 2.0, n).astype("float32")
+    return x, y, weights
+
+
+def _unknown_cardinality(x, y):
+    # `filter` hides the dataset's length: the epoch ends when it runs out.
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(8)
+    assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    return dataset
+
+
+def _generator(x, y):
+    # A generator's `None` sample weights reach the step as empty Optionals.
+    for start in range(0, len(y), 8):
+        yield x[start : start + 8], y[start : start + 8], None
+
+
+def _inputs(kind):
+    x, y, weights = _arrays()
+    vx, vy, _ = _arrays(16, seed=1)
+    if kind == "arrays":
+        return dict(x=x, y=y, sample_weight=weights, batch_size=8, validation_split=0.25)
+    if kind == "unknown_cardinality":
+        return dict(x=_unknown_cardinality(x, y), validation_data=_unknown_cardinality(vx, vy))
+    if kind == "generator":
+        return dict(x=_generator(x, y))
+    if kind == "steps_per_epoch":
+        # More steps than the data has: Keras stops the epoch with a warning.
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        return dict(x=dataset, steps_per_epoch=7)
+    raise ValueError(kind)
+
+
+class _CountBatches(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+def _fit(model_class, kind, *, jit_compile=False, epochs=2):
+    model = _model(model_class)
+    model.compile(
+        keras.optimizers.SGD(0.1),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=jit_compile,
+    )
+    counter = _CountBatches()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(
+            **_inputs(kind),
+            epochs=1 if kind == "generator" else epochs,
+            verbose=0,
+            callbacks=[counter],
+        )
+    messages = sorted({str(w.message)[:50] for w in caught if "ran out of data" in str(w.message)})
+    return model, history.history, counter.batches, messages
+
+
+@pytest.mark.parametrize("kind", ["arrays", "unknown_cardinality", "generator", "steps_per_epoch"])
+def test_fit_gives_what_keras_gives_for_every_input_kind(kind):
+    reference, expected, expected_batches, expected_warnings = _fit(keras.Model, kind)
+    model, history, batches, caught = _fit(kmp.Model, kind)
+
+    assert set(history) == set(expected)
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-6, err_msg=key)
+    assert batches == expected_batches > 0
+    assert caught == expected_warnings
+    # One optimizer step per batch. (Keras' own function counts one more
+    # per epoch where the data's length is unknown: at the end of the data
+    # its step count is incremented before the empty iterator raises.)
+    assert int(model.optimizer.iterations) == batches
+    for variable, reference_variable in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(variable.numpy(), reference_variable.numpy(), rtol=1e-6)
+
+    x, y, _ = _arrays(16, seed=2)
+    for data in (dict(x=x, y=y, batch_size=8), dict(x=_unknown_cardinality(x, y))):
+        np.testing.assert_allclose(
+            model.evaluate(**data, verbose=0), reference.evaluate(**data, verbose=0), rtol=1e-6
+        )
+
+
+def test_jit_compiled_steps_give_what_keras_gives():
+    _, expected, _, _ = _fit(keras.Model, "unknown_cardinality", jit_compile=True)
+    _, history, _, _ = _fit(kmp.Model, "unknown_cardinality", jit_compile=True)
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, err_msg=key)
+
+
+def test_one_device_strategy_and_train_on_batch_give_what_keras_gives():
+    x, y, weights = _arrays()
+    results = {}
+    for model_class in (keras.Model, kmp.Model):
+        with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+            model = _model(model_class)
+            model.compile(
+                keras.optimizers.SGD(0.1),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        history = model.fit(x, y, sample_weight=weights, batch_size=8, epochs=2, verbose=0)
+        # train_on_batch hands the train function a Python generator: Keras' path.
+        on_batch = model.train_on_batch(x[:8], y[:8], return_dict=True)
+        results[model_class] = (history.history["loss"], on_batch["loss"])
+    np.testing.assert_allclose(results[kmp.Model][0], results[keras.Model][0], rtol=1e-6)
+    np.testing.assert_allclose(results[kmp.Model][1], results[keras.Model][1], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(jit_compile=True), dict(steps_per_execution=2), dict(run_eagerly=True)],
+    ids=["traced", "jit", "steps_per_execution", "run_eagerly"],
+)
+def test_an_empty_iterator_ends_the_epoch_and_changes_nothing(settings):
+    model = _model(kmp.Model)
+    model.compile("sgd", "mse", **settings)
+    model.make_train_function()
+    x, y, _ = _arrays(8)
+    batch = (x, keras.ops.one_hot(y, 3))
+    logs = model.train_function(iter(tf.data.Dataset.from_tensors(batch)))
+    assert sorted(logs) == ["loss"]
+    weights = [w.numpy() for w in model.weights]
+    # Keras' own traced function raises OutOfRangeError here too, but its
+    # optimizer has counted a step by then (its count does not wait for
+    # the batch).
+    empty = iter(tf.data.Dataset.from_tensors(batch).take(0))
+    with pytest.raises((tf.errors.OutOfRangeError, StopIteration)):
+        model.train_function(empty)
+    assert int(model.optimizer.iterations) == 1
+    for before, after in zip(weights, model.weights):
+        np.testing.assert_array_equal(after.numpy(), before)

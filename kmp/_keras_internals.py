@@ -26,6 +26,10 @@ present from Keras 3.10 to 3.15):
 | `KerasTensor._keras_history` | `_diagnose_static.py` | which layer produced a functional model's tensor |
 | `Model._distribute_strategy`, `Model._symbolic_build` | `model.py`, `distribute.py` | build across workers, where Keras' own build fails |
 | `ModelCheckpoint._get_file_path`, `_should_save_model`; `BackupAndRestore._training_metadata_path`, `_initial_epoch` | `checkpoint.py` | resume where Keras' own callbacks keep their state |
+
+One TensorFlow function attribute: `_noinline` (`tf.function(experimental_attributes=...)`,
+`distribute.py`), so that a train step starts only once its batch has arrived
+(`tests/test_train_function.py` fails if TensorFlow inlines it again).
 """
 
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope

@@ -111,7 +111,11 @@ class Model(keras.Model):
       Keras' own loss scaling is turned off (one scaler, never two);
     - each training step scales the loss, unscales and checks the gradients,
       skips non-finite steps, and adds `loss_scale` and `skipped_steps` to
-      the logs (so they show in the progress bar and in `History`).
+      the logs (so they show in the progress bar and in `History`);
+    - with one replica and one step per call, `fit` and `evaluate` run each
+      step without Keras' `tf.experimental.Optional` around its logs, and
+      the optimizer counts only steps that had a batch (see
+      `kmp.distribute.train_or_test_function`).
 
     Example:
 

@@ -40,10 +40,11 @@ def _unknown_cardinality(x, y):
     return dataset
 
 
-def _generator(x, y):
+def _generator(x, y, none_weights):
     # A generator's `None` sample weights reach the step as empty Optionals.
     for start in range(0, len(y), 8):
-        yield x[start : start + 8], y[start : start + 8], None
+        batch = x[start : start + 8], y[start : start + 8]
+        yield batch + (None,) if none_weights else batch
 
 
 def _inputs(kind):
@@ -53,8 +54,8 @@ def _inputs(kind):
         return dict(x=x, y=y, sample_weight=weights, batch_size=8, validation_split=0.25)
     if kind == "unknown_cardinality":
         return dict(x=_unknown_cardinality(x, y), validation_data=_unknown_cardinality(vx, vy))
-    if kind == "generator":
-        return dict(x=_generator(x, y))
+    if kind.startswith("generator"):
+        return dict(x=_generator(x, y, none_weights=kind == "generator_none_weights"))
     if kind == "steps_per_epoch":
         # More steps than the data has: Keras stops the epoch with a warning.
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
@@ -83,7 +84,7 @@ def _fit(model_class, kind, *, jit_compile=False, epochs=2):
         warnings.simplefilter("always")
         history = model.fit(
             **_inputs(kind),
-            epochs=1 if kind == "generator" else epochs,
+            epochs=1 if kind.startswith("generator") else epochs,
             verbose=0,
             callbacks=[counter],
         )
@@ -91,9 +92,19 @@ def _fit(model_class, kind, *, jit_compile=False, epochs=2):
     return model, history.history, counter.batches, messages
 
 
-@pytest.mark.parametrize("kind", ["arrays", "unknown_cardinality", "generator", "steps_per_epoch"])
+@pytest.mark.parametrize(
+    "kind",
+    ["arrays", "unknown_cardinality", "generator", "generator_none_weights", "steps_per_epoch"],
+)
 def test_fit_gives_what_keras_gives_for_every_input_kind(kind):
-    reference, expected, expected_batches, expected_warnings = _fit(keras.Model, kind)
+    try:
+        reference, expected, expected_batches, expected_warnings = _fit(keras.Model, kind)
+    except AttributeError as error:
+        if kind != "generator_none_weights":
+            raise
+        # Keras 3.10's generator adapter fails on a None in a batch
+        # ("'NoneType' object has no attribute 'shape'"), for keras.Model too.
+        pytest.skip(f"this Keras ({keras.version()}) cannot read None from a generator: {error}")
     model, history, batches, caught = _fit(kmp.Model, kind)
 
     assert set(history) == set(expected)

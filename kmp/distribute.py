@@ -109,7 +109,8 @@ def reduce_logs(logs, strategy):
     Every floating or integer log is cast to float32, flattened and packed
     into one vector, averaged with a single `strategy.reduce`, and unpacked
     to its own shape and dtype. Logs in `_REPLICA_INVARIANT_LOGS` are read
-    from the first local replica: they are the same everywhere.
+    from the first local replica: they are the same everywhere. With one
+    replica every log is its own value, and no collective runs.
     """
     flat = keras.tree.flatten(logs)
     local_first = [strategy.experimental_local_results(v)[0] for v in flat]
@@ -117,7 +118,8 @@ def reduce_logs(logs, strategy):
     to_reduce = [
         i
         for i, path in enumerate(paths)
-        if not (len(path) == 1 and path[0] in _REPLICA_INVARIANT_LOGS)
+        if strategy.num_replicas_in_sync > 1
+        and not (len(path) == 1 and path[0] in _REPLICA_INVARIANT_LOGS)
     ]
     results = list(local_first)
     if to_reduce:
@@ -188,9 +190,9 @@ def make_function(model, step_function):
     It does what Keras' `TensorFlowTrainer._make_function` does (runs
     `step_function` on each replica, `model.steps_per_execution` steps per
     call, the step compiled with `model.jit_compile`), but returns the logs
-    themselves, not wrapped in a `tf.experimental.Optional`, and, under
-    `MultiWorkerMirroredStrategy`, reduces them with `reduce_logs`, which
-    works across workers (see `train_or_test_function`).
+    themselves, not wrapped in a `tf.experimental.Optional`, reduced with
+    `reduce_logs`, which works across workers (see
+    `train_or_test_function`).
 
     Args:
         model: `keras.Model`. The model being trained.
@@ -203,13 +205,6 @@ def make_function(model, step_function):
         epoch, as Keras' own function did before Keras 3.7.
     """
     strategy = model.distribute_strategy
-    if is_multi_worker(strategy):
-        reduce = reduce_logs
-    else:
-        def reduce(logs, strategy):
-            return keras.tree.map_structure(
-                lambda v: strategy.experimental_local_results(v)[0], logs
-            )
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
@@ -218,7 +213,7 @@ def make_function(model, step_function):
         data = keras.tree.map_structure(
             lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
         )
-        return reduce(strategy.run(step_function, args=(data,)), strategy)
+        return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
 
     if not model.run_eagerly:
         one_step_on_data = tf.function(

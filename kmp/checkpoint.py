@@ -93,7 +93,8 @@ try:
 except ImportError:  # Windows: no flock; a second run is not refused there.
     fcntl = None
 
-_BACKUP_PATTERN = re.compile(r"^backup-(\d+)\.weights\.h5$")
+# `\Z`, not `$`: `$` also matches before a final newline.
+_BACKUP_PATTERN = re.compile(r"\Abackup-(\d+)\.weights\.h5\Z", re.ASCII)
 _METADATA_NAME = "training_metadata.json"
 _LOCK_NAME = "kmp-backup.lock"
 _PARTIAL_MARK = ".partial"
@@ -102,11 +103,10 @@ _PARTIAL_MARK = ".partial"
 # them before), so that end of training and pruning delete those and no other
 # hidden file.
 _BACKUP_PARTIAL_PATTERN = re.compile(
-    r"^\.(backup-\d+|training_metadata)\.partial-\d+(-[0-9a-f]{16})?"
-    r"\.(weights\.h5|json)$"
+    r"\A\.(backup-\d+|training_metadata)\.partial-\d+(-[0-9a-f]{16})?"
+    r"\.(weights\.h5|json)\Z",
+    re.ASCII,
 )
-# The folders of the workers other than the chief, inside a shared backup_dir.
-_WORKER_FOLDER_PATTERN = re.compile(r"^(chief|worker)-\d+$")
 # What a worker whose metadata cannot be read reports as its latest backup.
 _UNREADABLE = -2
 # Larger than any metadata kmp writes (a few hundred bytes per monitor).
@@ -403,7 +403,7 @@ def _check_metadata(metadata, path, prefix=""):
 
     def refuse(key, value, expected):
         shown = repr(value)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        shown = shown if len(shown) <= 300 else shown[:297] + "..."
         raise ValueError(
             f"The backup metadata {path!r} is not valid: `{prefix}{key}` must "
             f"be {expected}. Received: {prefix}{key}={shown}. It was not "

@@ -652,18 +652,44 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     previous backup as well, as with `double_checkpoint=True`; a backup that
     cannot be restored on any worker is an error on every worker.
 
+    The folder is trusted with nothing but what this callback wrote there.
+    The metadata is checked key by key (a wrong key, type or value is a
+    `ValueError` naming the file, the key and the value, before anything is
+    loaded); the weights it names must be `backup-<n>.weights.h5`, a regular
+    file in the folder, not a link; monitors get back only the counters
+    listed below, as numbers. Temporary files are created exclusively,
+    never through a file or link already at their name.
+
+    One run per folder: when training begins the folder is created and
+    locked (`flock` on `kmp-backup.lock` in it, holding the pid, host and
+    start time); another process that starts training on it is refused with
+    a `RuntimeError` naming the holder, until the holder's training ends or
+    the holder dies (the OS drops the lock of a killed process, so the same
+    command resumes). Within one process the latest `fit` takes the lock
+    over, so a `fit` interrupted by an exception never blocks the next one.
+    Each worker of a cluster locks its own folder. Training that ends
+    (`on_train_end`) or fails while restoring releases the lock and deletes
+    the lock file; a `fit` that raises later keeps it until the process
+    exits or its next `fit` starts.
+
+    When training ends with `delete_checkpoint=True`, only this callback's
+    files go: the metadata, the backups, partial files and the lock file;
+    then the folder, if nothing else is left in it (never the working
+    directory). Anything else in it (notes, data, a `ModelCheckpoint`'s
+    file, another worker's folder) stays.
+
     Args:
         backup_dir: String. Where the backups go; use one directory per run
-            (with several workers, see above). The folder is created when the
-            first backup is written.
+            (with several workers, see above). The folder is created, and
+            locked, when training begins.
         save_freq: `"epoch"` or integer. As for Keras' callback. Defaults
             to `"epoch"`.
         double_checkpoint: Bool. Keep the previous complete backup too, and
             fall back to it, with a warning, if the latest cannot be restored
             (a disk error, a checksum that differs). Defaults to `False`.
         delete_checkpoint: Bool. Delete the backups when training ends (each
-            worker its own; `backup_dir` goes once it is empty). Defaults to
-            `True`.
+            worker its own, and nothing this callback did not write;
+            `backup_dir` goes once it is empty). Defaults to `True`.
         monitors: Optional list of callbacks that keep a monitor's state,
             e.g. `EarlyStopping`, `ReduceLROnPlateau`,
             `ModelCheckpoint(save_best_only=True)`. Their `best`, `wait`,
@@ -674,8 +700,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     Raises:
         TypeError: if `monitors` holds something that is not a callback.
         ValueError: as Keras' callback for invalid arguments; on restore, if
-            the backup's checksum differs, if it does not match the model or
-            the monitors, or if the workers' backups are not from one run.
+            the metadata is malformed or names a file kmp did not write, if
+            the backup's checksum differs, if it does not match the model
+            (naming the variables that differ) or the monitors, or if the
+            workers' backups are not from one run.
+        RuntimeError: when training begins, if another process is training
+            with the same folder.
 
     Example:
 

@@ -184,7 +184,9 @@ def test_links_planted_at_temporary_names_are_never_written_through(tmp_path, mo
         return fixed_token if len(draws) % 2 else os.urandom(nbytes).hex()
 
     # kmp's draws only (Keras draws tokens of its own while saving).
-    monkeypatch.setattr(checkpoint_module, "secrets", types.SimpleNamespace(token_hex=token_hex))
+    monkeypatch.setattr(
+        checkpoint_module, "secrets", types.SimpleNamespace(token_hex=token_hex), raising=False
+    )
     checkpoint = kmp.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"))
     model, _ = _fit(backup_dir, 3, delete_checkpoint=False, callbacks=[checkpoint])
 

@@ -780,10 +780,12 @@ def test_two_workers_sharing_one_backup_folder_resume_identical_after_a_kill(
     # keeps its previous one too.
     assert _epoch_in(backup / "training_metadata.json") == 2
     assert _epoch_in(backup / "worker-1" / "training_metadata.json") == 2
+    # Each holds its own lock file, which the killed processes' OS released.
     assert sorted(os.listdir(backup)) == [
         "backup-000000.weights.h5", "backup-000001.weights.h5",
-        "training_metadata.json", "worker-1",
+        "kmp-backup.lock", "training_metadata.json", "worker-1",
     ]
+    assert (backup / "worker-1" / "kmp-backup.lock").exists()
 
     # A flipped bit in worker 1's backup: worker 1 names the file, and worker 0
     # stops too instead of training from a state worker 1 does not share.

@@ -502,6 +502,8 @@ class _FolderLock:
         if held is not None and held.still_ours():
             held.owner = owner
             return held
+        if held is not None:  # Its lock file was deleted: the lock is moot.
+            held.close()
         lock = cls(folder)
         lock.owner = owner
         lock._acquire()
@@ -570,7 +572,8 @@ class _FolderLock:
                 timespec="seconds"),
         })
         os.ftruncate(fd, 0)
-        os.pwrite(fd, holder.encode(), 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, holder.encode())
 
     def release(self, owner):
         """Deletes the lock file and unlocks, if `owner` holds the lock."""
@@ -578,8 +581,12 @@ class _FolderLock:
             return
         if self.still_ours():
             os.remove(self.path)
-        os.close(self.fd)  # Closing the last descriptor releases the flock.
-        self.fd = None
+        self.close()
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)  # Closing the last descriptor releases the flock.
+            self.fd = None
         for path, lock in list(_HELD_LOCKS.items()):
             if lock is self:
                 del _HELD_LOCKS[path]
@@ -592,7 +599,8 @@ def _same_file(a, b):
 def _read_holder(fd):
     """`process <pid> on <host>, started <time>` from a lock file."""
     try:
-        holder = json.loads(os.pread(fd, 4096, 0).decode())
+        os.lseek(fd, 0, os.SEEK_SET)
+        holder = json.loads(os.read(fd, 4096).decode())
         return (
             f"process {int(holder['pid'])} on {str(holder['host'])[:100]}, "
             f"started {str(holder['started'])[:40]}"

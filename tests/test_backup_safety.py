@@ -134,12 +134,20 @@ def test_a_metadata_entry_naming_another_file_is_refused_before_loading(tmp_path
     assert _snapshot(tmp_path) == before  # and nothing deleted or written
 
 
-@pytest.mark.parametrize("entry", ["outside", "symlink"])
+@pytest.mark.parametrize("entry", ["outside", "symlink", "metadata symlink"])
 def test_no_error_prints_the_digest_of_a_file_kmp_did_not_write(tmp_path, entry):
     backup_dir = tmp_path / "backup"
     metadata = _kept_backup(backup_dir)
     secret = tmp_path / "secret.weights.h5"
     secret.write_bytes(b"not for the backup's eyes")
+    if entry == "metadata symlink":
+        # Nor a line of it, as "not valid JSON (received ...)" would.
+        os.remove(backup_dir / "training_metadata.json")
+        os.symlink(secret, backup_dir / "training_metadata.json")
+        with pytest.raises(ValueError, match="training_metadata.json' is a symbolic link") as info:
+            _fit(backup_dir, 3)
+        assert "eyes" not in str(info.value)
+        return
     if entry == "symlink":
         os.symlink(secret, backup_dir / "backup-000009.weights.h5")
         metadata["weights"] = "backup-000009.weights.h5"

@@ -26,6 +26,10 @@ present from Keras 3.10 to 3.15):
 | `KerasTensor._keras_history` | `_diagnose_static.py` | which layer produced a functional model's tensor |
 | `Model._distribute_strategy`, `Model._symbolic_build` | `model.py`, `distribute.py` | build across workers, where Keras' own build fails |
 | `ModelCheckpoint._get_file_path`, `_should_save_model`; `BackupAndRestore._training_metadata_path`, `_initial_epoch` | `checkpoint.py` | resume where Keras' own callbacks keep their state |
+| `BackupAndRestore._load_model`, `_save_model` (overridden) | `checkpoint.py` | the restore and the save Keras' callback calls (its `on_train_batch_end` for an integer `save_freq`): kmp's check, lock and write atomically |
+| `BackupAndRestore._current_epoch`, `_last_batch_seen` | `checkpoint.py` | the epoch and batch a backup records, which Keras' `_should_save_on_batch` keeps too; reset at each `on_train_begin` |
+| `ModelCheckpoint._save_model` (overridden) | `checkpoint.py` | the save Keras' callback calls for every checkpoint: kmp's writes atomically |
+| `Model._initial_epoch` | `checkpoint.py` | the epoch `fit` resumes from, set as Keras' own `BackupAndRestore` sets it |
 
 One TensorFlow function attribute: `_noinline` (`tf.function(experimental_attributes=...)`,
 `distribute.py`), so that a train step starts only once its batch has arrived

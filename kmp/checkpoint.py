@@ -14,7 +14,10 @@ Training goes on from a state that never existed.
 The classes here write every file under a temporary name in the same
 directory, flush it to disk, then `os.replace` it onto its final name, which
 is atomic on POSIX and Windows. A file with a final name is always complete;
-a kill leaves at most a `*.partial*` file, which is ignored.
+a kill leaves at most a `*.partial*` file, which is ignored. The temporary
+name is new for every write (the pid and a random token) and created with
+`O_CREAT | O_EXCL | O_NOFOLLOW`: a file or link already at that name is never
+followed, truncated or written through.
 
 `BackupAndRestore` also commits the weights and the epoch together: the
 weights go to a new file, and the metadata, which names that file and its
@@ -31,16 +34,20 @@ worker therefore behave the same: no process writes, prunes or deletes a
 file in another process's folder.
 
 ```
+train begin: create F, lock F/kmp-backup.lock (flock, not following links;
+             refused, naming the holder, while another process holds it)
 save (when the epoch after the backed-up one begins):
-         write weights -> F/.backup-<n>.partial-<pid>.weights.h5, fsync,
+         write weights -> F/.backup-<n>.partial-<pid>-<token>.weights.h5, fsync,
              SHA-256 of it; n = the number the metadata names, plus one
          os.replace(partial, F/backup-<n>.weights.h5)
          write {"epoch", "batch", "weights": "backup-<n>.weights.h5",
                 "sha256", "monitors", "previous" (optional: the entry before)}
              -> F/training_metadata.json (same way: partial, fsync, replace)
-         delete F's backup-*.weights.h5 that the metadata does not name, and
-         F's partial files (left by a killed process: F has one writer)
-restore: read F/training_metadata.json
+         delete F's backup-<n>.weights.h5 that the metadata does not name,
+         and F's partial files (left by a killed process: F has one writer)
+restore: read F/training_metadata.json (a regular file, not a link); every
+             key, type and value checked: the weights entry must be
+             backup-<n>.weights.h5, a regular file in F, not a link
          several workers: all-gather each worker's latest backup number and
              restore number m = the lowest on every worker (the others keep
              the previous backup, so they have m too; see below)
@@ -48,6 +55,9 @@ restore: read F/training_metadata.json
              Keras would skip (a mismatch) is an error, not a warning
          several workers: all-gather whether each restore succeeded, so all
              raise or none does
+train end (delete_checkpoint=True): delete F's metadata, backups, partial
+             files and lock file, nothing else; then F, if it is empty (never
+             the working directory)
 ```
 
 Why the workers can differ by one backup at most, and no more: a worker
@@ -58,13 +68,18 @@ its own save and another worker's, the latest backups differ by one, and
 every worker still holds the lower one.
 """
 
-import glob
+import datetime
+import errno
 import hashlib
 import json
+import math
 import numbers
 import os
 import re
-import shutil
+import secrets
+import socket
+import stat
+import tempfile
 import warnings
 
 import keras
@@ -73,12 +88,31 @@ import tensorflow as tf
 from kmp import _keras_internals
 from kmp import distribute as _distribute
 
-_BACKUP_PATTERN = re.compile(r"^backup-(\d+)\.weights\.h5$")
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; a second run is not refused there.
+    fcntl = None
+
+# `\Z`, not `$`: `$` also matches before a final newline.
+_BACKUP_PATTERN = re.compile(r"\Abackup-(\d+)\.weights\.h5\Z", re.ASCII)
+_METADATA_NAME = "training_metadata.json"
+_LOCK_NAME = "kmp-backup.lock"
 _PARTIAL_MARK = ".partial"
-# The folders of the workers other than the chief, inside a shared backup_dir.
-_WORKER_FOLDER_PATTERN = re.compile(r"^(chief|worker)-\d+$")
+# The temporary names `write_atomically` gives the files of a backup folder
+# (`.<stem>.partial-<pid>-<token><suffix>`, and without the token as kmp named
+# them before), so that end of training and pruning delete those and no other
+# hidden file.
+_BACKUP_PARTIAL_PATTERN = re.compile(
+    r"\A\.(backup-\d+|training_metadata)\.partial-\d+(-[0-9a-f]{16})?"
+    r"\.(weights\.h5|json)\Z",
+    re.ASCII,
+)
 # What a worker whose metadata cannot be read reports as its latest backup.
 _UNREADABLE = -2
+# Larger than any metadata kmp writes (a few hundred bytes per monitor).
+_MAX_METADATA_BYTES = 1 << 20
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _split_suffix(filepath):
@@ -92,7 +126,7 @@ def _split_suffix(filepath):
 def _fsync_path(path, directory=False):
     flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags | _NO_FOLLOW)
     except OSError:
         return  # Directories cannot be opened on Windows; replace is still atomic.
     try:
@@ -103,13 +137,70 @@ def _fsync_path(path, directory=False):
         os.close(fd)
 
 
+def _create_partial(filepath):
+    """Creates a new, empty temporary file beside `filepath`; returns `(fd, path)`.
+
+    The name carries the pid and a random token, and the file is created
+    with `O_CREAT | O_EXCL | O_NOFOLLOW`: whatever already sits at a name
+    (a file, a link planted by someone who can write to the folder) makes
+    the creation fail and another name is drawn; nothing is ever followed or
+    truncated. The mode is `0o666` less the umask, as for `open(path, "w")`.
+    """
+    stem, suffix = _split_suffix(filepath)
+    directory, name = os.path.split(stem)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | _CLOEXEC
+    for _ in range(100):
+        partial = os.path.join(
+            directory,
+            f".{name}{_PARTIAL_MARK}-{os.getpid()}-{secrets.token_hex(8)}{suffix}",
+        )
+        try:
+            return os.open(partial, flags, 0o666), partial
+        except FileExistsError:
+            continue
+    raise FileExistsError(
+        errno.EEXIST, "No free temporary name after 100 random draws", partial
+    )
+
+
+def _write_atomically(filepath, write_fd=None, write_path=None):
+    """`write_atomically`, writing through the new file's descriptor
+    (`write_fd(fd)`) or, for writers that want a path (Keras' savers),
+    through the path of the file just created (`write_path(path)`)."""
+    fd, partial = _create_partial(filepath)
+    try:
+        if write_fd is not None:
+            write_fd(fd)
+            os.fsync(fd)
+            os.close(fd)
+            fd = None
+        else:
+            os.close(fd)
+            fd = None
+            write_path(partial)
+            _fsync_path(partial)
+        os.replace(partial, filepath)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        if os.path.lexists(partial):
+            os.remove(partial)
+        raise
+    _fsync_path(os.path.dirname(filepath) or ".", directory=True)
+    return filepath
+
+
 def write_atomically(filepath, write):
     """Calls `write(temporary_path)`, then moves the result onto `filepath`.
 
     The temporary file sits in `filepath`'s directory with the same suffix
-    (so Keras accepts it) and a `.partial` mark; it is flushed to disk
-    before `os.replace`, so `filepath` is either the previous complete file
-    or the new complete one, never a mix, whenever the process dies.
+    (so Keras accepts it), a `.partial` mark, the pid and a random token;
+    it is created empty and exclusively (`O_CREAT | O_EXCL | O_NOFOLLOW`)
+    before `write` gets its path, so a file or symbolic link that someone
+    planted at a temporary name is never written through. The result is
+    flushed to disk before `os.replace`, so `filepath` is either the
+    previous complete file or the new complete one, never a mix, whenever
+    the process dies.
 
     Args:
         filepath: String or `pathlib.Path`. The final path.
@@ -130,39 +221,85 @@ def write_atomically(filepath, write):
         # Object stores publish an object only once it is fully uploaded.
         write(filepath)
         return filepath
-    stem, suffix = _split_suffix(filepath)
-    directory, name = os.path.split(stem)
-    partial = os.path.join(directory, f".{name}{_PARTIAL_MARK}-{os.getpid()}{suffix}")
+    return _write_atomically(filepath, write_path=write)
+
+
+def _h5_variables(path):
+    """`{dataset path: shape}` of a Keras weights file."""
+    import h5py
+
+    variables = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(
+            lambda name, item: variables.__setitem__(name, tuple(item.shape))
+            if isinstance(item, h5py.Dataset)
+            else None
+        )
+    return variables
+
+
+def _mismatched_variables(model, filepath):
+    """What differs between the variables stored in `filepath` and those
+    `model` would store, in the file's own layout (`layers/dense_1/vars/0`,
+    `optimizer/vars/3`); `""` if nothing differs or a file cannot be read."""
     try:
-        write(partial)
-        _fsync_path(partial)
-        os.replace(partial, filepath)
-    except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
-        raise
-    _fsync_path(directory or ".", directory=True)
-    return filepath
+        with tempfile.TemporaryDirectory() as directory:
+            own = os.path.join(directory, "model.weights.h5")
+            model.save_weights(own)
+            expected = _h5_variables(own)
+        stored = _h5_variables(filepath)
+    except (OSError, ValueError):
+        return ""
+    parts = []
+
+    def listed(names, describe):
+        shown = ", ".join(describe(name) for name in names[:8])
+        return shown + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+    differ = sorted(n for n in stored.keys() & expected.keys() if stored[n] != expected[n])
+    if differ:
+        parts.append("shapes differ (backup vs model): " + listed(
+            differ, lambda n: f"{n} {stored[n]} vs {expected[n]}"))
+    only_stored = sorted(stored.keys() - expected.keys())
+    if only_stored:
+        parts.append("only in the backup: " + listed(only_stored, str))
+    only_expected = sorted(expected.keys() - stored.keys())
+    if only_expected:
+        parts.append("missing from the backup: " + listed(only_expected, str))
+    return "; ".join(parts)
 
 
 def _load_weights_strictly(model, filepath):
-    """`model.load_weights`, with Keras' "skipping variable loading" warning
-    turned into an error: a file that lacks the optimizer state (or has the
-    wrong one) must not resume training from a fresh optimizer."""
+    """`model.load_weights`, with any variable Keras could not load (a
+    "skipping variable loading" warning in older Keras, an error in newer)
+    turned into one error naming the file and the variables that differ: a
+    file that lacks the optimizer state, or holds another architecture's,
+    must not resume training from a fresh optimizer."""
+    problem = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.load_weights(filepath)
+        try:
+            model.load_weights(filepath)
+        except ValueError as error:
+            problem = str(error).strip().split("\n")[0]
     for warning in caught:
         message = str(warning.message).strip()
         if "Skipping variable loading" in message or "could not be loaded" in message:
-            raise ValueError(
-                f"The backup {filepath!r} does not match the model: {message} "
-                "Refusing to resume from a partial state. Delete the backup "
-                "directory to start over."
-            )
+            problem = problem or message.split("\n")[0]
+            continue
         warnings.warn_explicit(
             warning.message, warning.category, warning.filename, warning.lineno
         )
+    if problem is None:
+        return
+    mismatched = _mismatched_variables(model, filepath)
+    raise ValueError(
+        f"The backup {filepath!r} does not match the model: "
+        + (f"its variables are another model's ({mismatched}). " if mismatched else "")
+        + f"Keras says: {problem} Refusing to resume from a partial state. "
+        "Resume with the model the backup was written by, or delete the "
+        "backup directory to start over."
+    ) from None
 
 
 _MONITOR_ATTRIBUTES = ("best", "wait", "best_epoch", "stopped_epoch", "cooldown_counter")
@@ -185,21 +322,121 @@ def _monitor_state(monitor):
     return state
 
 
-def _sha256(path):
+def _sha256_of_fd(fd):
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    os.lseek(fd, 0, os.SEEK_SET)
+    for block in iter(lambda: os.read(fd, 1 << 20), b""):
+        digest.update(block)
     return digest.hexdigest()
+
+
+def _sha256(path):
+    fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
+    try:
+        return _sha256_of_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def _backup_number(entry):
     """The `<n>` of the `backup-<n>.weights.h5` a metadata entry names; -1
-    for no entry, 0 for Keras' own layout (`latest.weights.h5`)."""
+    for no entry, 0 for Keras' own layout (`latest.weights.h5`). Entries are
+    validated (`_check_metadata`) before this is asked."""
     if not entry:
         return -1
     match = _BACKUP_PATTERN.match(entry.get("weights", ""))
     return int(match.group(1)) if match else 0
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_monitor_states(states):
+    """The problem with a metadata `monitors` entry, or `None`."""
+    if not isinstance(states, list):
+        return "a list of one object per monitor"
+    for index, state in enumerate(states):
+        if not isinstance(state, dict):
+            return f"a list of objects (item {index} is not one)"
+        for name, value in state.items():
+            if name not in _MONITOR_ATTRIBUTES:
+                return (
+                    f"counters among {', '.join(_MONITOR_ATTRIBUTES)} (item "
+                    f"{index} has {name!r})"
+                )
+            if name == "best":
+                # Keras' own initial `best` is None or +-inf; NaN never is.
+                ok = value is None or (
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and not math.isnan(value)
+                )
+            else:
+                ok = value is None or _is_count(value)
+            if not ok:
+                return (
+                    f"numbers (item {index} has {name}={value!r}; `best` is a "
+                    "number, the others are counts >= 0)"
+                )
+    return None
+
+
+# The keys of a metadata entry: what each must be, and a check.
+_METADATA_KEYS = {
+    "epoch": ("an integer >= 0", _is_count),
+    "batch": ("an integer >= 0", _is_count),
+    "weights": (
+        "a file name of the form backup-<n>.weights.h5 (no folder)",
+        lambda value: isinstance(value, str) and bool(_BACKUP_PATTERN.match(value)),
+    ),
+    "sha256": (
+        "64 lowercase hexadecimal digits",
+        lambda value: isinstance(value, str) and bool(re.fullmatch(r"[0-9a-f]{64}", value)),
+    ),
+}
+
+
+def _check_metadata(metadata, path, prefix=""):
+    """Raises a `ValueError` naming `path`, the key and the value for
+    metadata that kmp (or Keras, for its own layout) would not have written."""
+
+    def refuse(key, value, expected):
+        shown = repr(value)
+        shown = shown if len(shown) <= 300 else shown[:297] + "..."
+        raise ValueError(
+            f"The backup metadata {path!r} is not valid: `{prefix}{key}` must "
+            f"be {expected}. Received: {prefix}{key}={shown}. It was not "
+            "written by kmp.callbacks.BackupAndRestore; nothing was restored. "
+            "Delete the backup directory to start over."
+        )
+
+    if not isinstance(metadata, dict):
+        shown = repr(metadata)
+        raise ValueError(
+            f"The backup metadata {path!r} is not valid: it must be a JSON "
+            "object with the keys epoch, batch, weights, sha256, monitors and "
+            f"previous. Received: {shown if len(shown) <= 80 else shown[:77] + '...'}. "
+            "Delete the backup directory to start over."
+        )
+    allowed = set(_METADATA_KEYS) | {"monitors"} | ({"previous"} if not prefix else set())
+    for key in metadata:
+        if key not in allowed:
+            refuse(key, metadata[key], f"absent (the keys are {', '.join(sorted(allowed))})")
+    if "epoch" not in metadata:
+        refuse("epoch", None, "present, " + _METADATA_KEYS["epoch"][0])
+    for key, (expected, check) in _METADATA_KEYS.items():
+        if key in metadata and not check(metadata[key]):
+            refuse(key, metadata[key], expected)
+    if "monitors" in metadata:
+        problem = _check_monitor_states(metadata["monitors"])
+        if problem:
+            refuse("monitors", metadata["monitors"], problem)
+    if "previous" in metadata:
+        previous = metadata["previous"]
+        if not isinstance(previous, dict) or "weights" not in previous:
+            refuse("previous", previous, "an earlier entry naming its weights")
+        _check_metadata(previous, path, prefix="previous.")
 
 
 def _this_worker(strategy):
@@ -234,6 +471,147 @@ def _gather_from_workers(strategy, task, value):
         f"{'chief' if job == 0 else 'worker'}-{index}": int(value)
         for job, index, value in rows
     }
+
+
+# The backup folders this process holds, by real path of the lock file: a
+# second `fit` in this process (a notebook cell run again after an interrupted
+# one, with a new callback) takes the lock over instead of being refused by
+# its own process.
+_HELD_LOCKS = {}
+
+
+class _FolderLock:
+    """An exclusive `flock` on `<folder>/kmp-backup.lock`.
+
+    The OS drops the lock when the holding process dies, however it dies
+    (SIGKILL included), so a killed run never leaves a folder locked. The
+    lock file holds the holder's pid, host and start time, for the error
+    that refuses a second run.
+    """
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.path = os.path.join(folder, _LOCK_NAME)
+        self.fd = None
+        self.owner = None
+
+    @classmethod
+    def acquire(cls, folder, owner):
+        path = os.path.realpath(os.path.join(folder, _LOCK_NAME))
+        held = _HELD_LOCKS.get(path)
+        if held is not None and held.still_ours():
+            held.owner = owner
+            return held
+        if held is not None:  # Its lock file was deleted: the lock is moot.
+            held.close()
+        lock = cls(folder)
+        lock.owner = owner
+        lock._acquire()
+        _HELD_LOCKS[path] = lock
+        return lock
+
+    def still_ours(self):
+        """Whether the lock file is still the file this process locked."""
+        if self.fd is None:
+            return False
+        try:
+            return _same_file(os.fstat(self.fd), os.lstat(self.path))
+        except OSError:
+            return False
+
+    def _acquire(self):
+        flags = os.O_RDWR | os.O_CREAT | _NO_FOLLOW | _CLOEXEC
+        # A lock file deleted by its holder at the end of its training
+        # between our open and our flock is not the folder's lock any more:
+        # open again (a few times at most; each retry means a run just ended).
+        for _ in range(10):
+            try:
+                fd = os.open(self.path, flags, 0o644)
+            except OSError as error:
+                raise ValueError(
+                    f"The backup lock {self.path!r} cannot be opened ({error}); "
+                    "it must be a regular file, not a link. Delete it if no run "
+                    f"uses {self.folder!r}."
+                ) from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise ValueError(
+                    f"The backup lock {self.path!r} is not a regular file. "
+                    f"Delete it if no run uses {self.folder!r}."
+                )
+            if fcntl is None:
+                break
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                raise RuntimeError(
+                    f"The backup folder {self.folder!r} is in use by another "
+                    f"training run: {holder} holds {self.path!r}. Two runs on "
+                    "one backup_dir would restore and overwrite each other's "
+                    "backups. Give this run a backup_dir of its own, or stop "
+                    "the other run first (a run that died, even by SIGKILL, "
+                    "releases the folder by itself)."
+                ) from None
+            try:
+                if _same_file(os.fstat(fd), os.lstat(self.path)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        else:
+            raise RuntimeError(f"Could not lock {self.path!r}: it keeps being replaced.")
+        self.fd = fd
+        holder = json.dumps({
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+        })
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, holder.encode())
+
+    def release(self, owner):
+        """Deletes the lock file and unlocks, if `owner` holds the lock."""
+        if self.owner is not owner or self.fd is None:
+            return
+        if self.still_ours():
+            os.remove(self.path)
+        self.close()
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)  # Closing the last descriptor releases the flock.
+            self.fd = None
+        for path, lock in list(_HELD_LOCKS.items()):
+            if lock is self:
+                del _HELD_LOCKS[path]
+
+
+def _same_file(a, b):
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _read_holder(fd):
+    """`process <pid> on <host>, started <time>` from a lock file."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        holder = json.loads(os.read(fd, 4096).decode())
+        return (
+            f"process {int(holder['pid'])} on {str(holder['host'])[:100]}, "
+            f"started {str(holder['started'])[:40]}"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not written its name yet"
+
+
+class _UnsafeBackupError(ValueError):
+    """A backup path that is not a regular file kmp wrote (a link, a
+    folder): refused outright, never a reason to fall back to another."""
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -282,18 +660,44 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     previous backup as well, as with `double_checkpoint=True`; a backup that
     cannot be restored on any worker is an error on every worker.
 
+    The folder is trusted with nothing but what this callback wrote there.
+    The metadata is checked key by key (a wrong key, type or value is a
+    `ValueError` naming the file, the key and the value, before anything is
+    loaded); the weights it names must be `backup-<n>.weights.h5`, a regular
+    file in the folder, not a link; monitors get back only the counters
+    listed below, as numbers. Temporary files are created exclusively,
+    never through a file or link already at their name.
+
+    One run per folder: when training begins the folder is created and
+    locked (`flock` on `kmp-backup.lock` in it, holding the pid, host and
+    start time); another process that starts training on it is refused with
+    a `RuntimeError` naming the holder, until the holder's training ends or
+    the holder dies (the OS drops the lock of a killed process, so the same
+    command resumes). Within one process the latest `fit` takes the lock
+    over, so a `fit` interrupted by an exception never blocks the next one.
+    Each worker of a cluster locks its own folder. Training that ends
+    (`on_train_end`) or fails while restoring releases the lock and deletes
+    the lock file; a `fit` that raises later keeps it until the process
+    exits or its next `fit` starts.
+
+    When training ends with `delete_checkpoint=True`, only this callback's
+    files go: the metadata, the backups, partial files and the lock file;
+    then the folder, if nothing else is left in it (never the working
+    directory). Anything else in it (notes, data, a `ModelCheckpoint`'s
+    file, another worker's folder) stays.
+
     Args:
         backup_dir: String. Where the backups go; use one directory per run
-            (with several workers, see above). The folder is created when the
-            first backup is written.
+            (with several workers, see above). The folder is created, and
+            locked, when training begins.
         save_freq: `"epoch"` or integer. As for Keras' callback. Defaults
             to `"epoch"`.
         double_checkpoint: Bool. Keep the previous complete backup too, and
             fall back to it, with a warning, if the latest cannot be restored
             (a disk error, a checksum that differs). Defaults to `False`.
         delete_checkpoint: Bool. Delete the backups when training ends (each
-            worker its own; `backup_dir` goes once it is empty). Defaults to
-            `True`.
+            worker its own, and nothing this callback did not write;
+            `backup_dir` goes once it is empty). Defaults to `True`.
         monitors: Optional list of callbacks that keep a monitor's state,
             e.g. `EarlyStopping`, `ReduceLROnPlateau`,
             `ModelCheckpoint(save_best_only=True)`. Their `best`, `wait`,
@@ -304,8 +708,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     Raises:
         TypeError: if `monitors` holds something that is not a callback.
         ValueError: as Keras' callback for invalid arguments; on restore, if
-            the backup's checksum differs, if it does not match the model or
-            the monitors, or if the workers' backups are not from one run.
+            the metadata is malformed or names a file kmp did not write, if
+            the backup's checksum differs, if it does not match the model
+            (naming the variables that differ) or the monitors, or if the
+            workers' backups are not from one run.
+        RuntimeError: when training begins, if another process is training
+            with the same folder.
 
     Example:
 
@@ -344,6 +752,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # (`(name, is_chief)`, or `None`); set when training begins.
         self._folder = backup_dir
         self._worker = None
+        self._lock = None
 
     def _use_folder_of_this_process(self):
         self._worker = _this_worker(self.model.distribute_strategy)
@@ -351,39 +760,80 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._folder = self.backup_dir
         else:
             self._folder = os.path.join(self.backup_dir, self._worker[0])
-        self._training_metadata_path = os.path.join(
-            self._folder, "training_metadata.json"
-        )
+        self._training_metadata_path = os.path.join(self._folder, _METADATA_NAME)
+
+    def _lock_folder(self):
+        """Creates this process's folder and locks it (see `_FolderLock`)."""
+        os.makedirs(self._folder, exist_ok=True)
+        if os.path.islink(self._folder) and self._folder != self.backup_dir:
+            # A worker's folder is kmp's own: a link there was planted.
+            raise ValueError(
+                f"The worker's backup folder {self._folder!r} is a symbolic "
+                "link; kmp creates it as a folder. Delete it to start over."
+            )
+        self._lock = _FolderLock.acquire(self._folder, owner=self)
+
+    def _release_lock(self):
+        if self._lock is not None:
+            self._lock.release(owner=self)
+            self._lock = None
 
     def _backup_files(self):
         files = []
-        for path in glob.glob(os.path.join(glob.escape(self._folder), "backup-*")):
-            match = _BACKUP_PATTERN.match(os.path.basename(path))
+        for name in os.listdir(self._folder):
+            match = _BACKUP_PATTERN.match(name)
             if match:
-                files.append((int(match.group(1)), path))
+                files.append((int(match.group(1)), os.path.join(self._folder, name)))
         return [path for _, path in sorted(files)]
 
     def _read_metadata(self):
-        if not os.path.exists(self._training_metadata_path):
-            return None
-        with open(self._training_metadata_path) as f:
-            text = f.read()
+        """The checked metadata of this process's folder, or `None`."""
+        path = self._training_metadata_path
         try:
-            return json.loads(text)
+            fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            if os.path.islink(path):
+                raise ValueError(
+                    f"The backup metadata {path!r} is a symbolic link; kmp "
+                    "reads only the regular file it wrote there. Nothing was "
+                    "restored. Delete the backup directory to start over."
+                ) from None
+            raise ValueError(f"The backup metadata {path!r} cannot be read: {error}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_METADATA_BYTES:
+                raise ValueError(
+                    f"The backup metadata {path!r} is not a regular file of at "
+                    f"most {_MAX_METADATA_BYTES} bytes (size {info.st_size}); it "
+                    "was not written by kmp.callbacks.BackupAndRestore. Delete "
+                    "the backup directory to start over."
+                )
+            data = b"".join(iter(lambda: os.read(fd, 1 << 16), b""))
+        finally:
+            os.close(fd)
+        try:
+            metadata = json.loads(data.decode("utf-8"))
         except ValueError:
             raise ValueError(
-                f"The backup metadata {self._training_metadata_path!r} is not "
-                f"valid JSON (received {text[:80]!r}); it was not written by "
-                "kmp.callbacks.BackupAndRestore, which replaces it atomically. Delete "
-                "the backup directory to start over."
+                f"The backup metadata {path!r} is not valid JSON (received "
+                f"{data[:80]!r}); it was not written by "
+                "kmp.callbacks.BackupAndRestore, which replaces it atomically. "
+                "Delete the backup directory to start over."
             ) from None
+        _check_metadata(metadata, path)
+        return metadata
 
     def _write_metadata(self, metadata):
-        def write(path):
-            with open(path, "w") as f:
-                f.write(json.dumps(metadata))
+        data = json.dumps(metadata).encode()
 
-        write_atomically(self._training_metadata_path, write)
+        def write(fd):
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+
+        _write_atomically(self._training_metadata_path, write_fd=write)
 
     def _load_model(self):
         if not self.model.built:
@@ -393,6 +843,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"batch of data. Received: unbuilt model {self.model.name!r}"
             )
         self._use_folder_of_this_process()
+        self._lock_folder()
         if self._worker is None:
             self._restore_newest(self._candidates())
         else:
@@ -411,6 +862,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         for candidate in candidates:
             try:
                 self._restore(candidate)
+            except _UnsafeBackupError:
+                raise  # Planted, not damaged: no fallback to another file.
             except (OSError, ValueError) as error:
                 errors.append(error)
                 continue
@@ -494,39 +947,67 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             "model."
         )
 
-    def _restore(self, candidate):
-        """Checks a backup's checksum, then loads it strictly."""
-        weights_path = os.path.join(
-            self._folder, candidate.get("weights", "latest.weights.h5")
+    def _open_backup(self, name):
+        """A read-only descriptor of backup `name`: a regular file in this
+        process's folder, opened without following a link."""
+        path = os.path.join(self._folder, name)
+        refusal = (
+            f"The backup metadata {self._training_metadata_path!r} names "
+            f"weights={name!r}, but {path!r} is {{}}; kmp reads only the regular "
+            f"files it wrote in {self._folder!r}. Nothing was restored. Delete "
+            "the backup directory to start over."
         )
-        expected = candidate.get("sha256")
-        if expected is None:
-            warnings.warn(
-                f"The backup {weights_path!r} has no checksum in "
-                f"{self._training_metadata_path!r} (it was written by Keras "
-                "or by an older kmp); it is restored without an integrity "
-                "check.",
-                stacklevel=3,
-            )
-        else:
-            try:
-                actual = _sha256(weights_path)
-            except OSError as error:
-                raise ValueError(
-                    f"The backup file {weights_path!r} named by "
-                    f"{self._training_metadata_path!r} cannot be read: {error}"
-                ) from None
-            if actual != expected:
+        try:
+            fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
+        except OSError as error:
+            if os.path.islink(path):
+                raise _UnsafeBackupError(refusal.format("a symbolic link")) from None
+            raise ValueError(
+                f"The backup file {path!r} named by "
+                f"{self._training_metadata_path!r} cannot be read: {error}"
+            ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _UnsafeBackupError(refusal.format("not a regular file"))
+        return fd, path
+
+    def _restore(self, candidate):
+        """Checks a backup's file and checksum, then loads it strictly."""
+        fd, weights_path = self._open_backup(candidate.get("weights", "latest.weights.h5"))
+        try:
+            checked = os.fstat(fd)
+            expected = candidate.get("sha256")
+            if expected is None:
+                warnings.warn(
+                    f"The backup {weights_path!r} has no checksum in "
+                    f"{self._training_metadata_path!r} (it was written by Keras "
+                    "or by an older kmp); it is restored without an integrity "
+                    "check.",
+                    stacklevel=3,
+                )
+            elif _sha256_of_fd(fd) != expected:
+                # The digest of what was read is not printed: the file at
+                # this name may not be one kmp wrote.
                 raise ValueError(
                     f"The backup file {weights_path!r} is damaged: its SHA-256 "
-                    f"checksum is {actual}, but {self._training_metadata_path!r} "
-                    f"recorded {expected} when the file was written. Resuming "
-                    "from it would continue from weights that were never "
-                    "trained. Put back an intact copy of the file, or delete "
-                    f"{self.backup_dir!r} to start over."
+                    f"checksum differs from the one "
+                    f"{self._training_metadata_path!r} recorded ({expected}) when "
+                    "the file was written. Resuming from it would continue "
+                    "from weights that were never trained. Put back an intact "
+                    f"copy of the file, or delete {self.backup_dir!r} to start "
+                    "over."
                 )
+        finally:
+            os.close(fd)
         if self.model.optimizer is not None and not self.model.optimizer.built:
             self.model.optimizer.build(self.model.trainable_variables)
+        # Keras opens the file again by its name: it must still be the file
+        # just checked.
+        if not _same_file(checked, os.lstat(weights_path)):
+            raise _UnsafeBackupError(
+                f"The backup file {weights_path!r} was replaced while it was "
+                "being checked; nothing was restored."
+            )
         try:
             _load_weights_strictly(self.model, weights_path)
         except OSError as error:
@@ -534,6 +1015,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"The backup file {weights_path!r} cannot be loaded: {error}"
             ) from None
         self.model._initial_epoch = candidate["epoch"]
+        # Backups written from here on are numbered from the restored epoch.
+        self._current_epoch = candidate["epoch"]
         self._pending_monitor_states = candidate.get("monitors")
 
     def _commit_restored(self, entry):
@@ -551,9 +1034,22 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._write_metadata(entry)
 
     def on_train_begin(self, logs=None):
+        # Each fit starts from what the folder holds, never from what an
+        # earlier fit with this instance left behind: after an interrupted
+        # fit a pending backup would carry the old epoch number over the
+        # restored weights.
+        self._epoch_backup_pending = False
+        self._pending_monitor_states = None
+        self._current_epoch = 0
+        self._last_batch_seen = 0
         # Keras' version falls back on OSError only; `_load_model` already
         # tries every complete backup and says why each one failed.
-        self._load_model()
+        try:
+            self._load_model()
+        except BaseException:
+            # `fit` ends here: the folder is not in use any more.
+            self._release_lock()
+            raise
 
     def on_epoch_end(self, epoch, logs=None):
         self._current_epoch = epoch + 1
@@ -571,38 +1067,53 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._restore_monitors()
 
     def on_train_end(self, logs=None):
-        if self._epoch_backup_pending and not self.delete_checkpoint:
-            self._epoch_backup_pending = False
-            self._save_model()
-        if not self.delete_checkpoint:
-            return
-        if self._worker is None:
-            super().on_train_end(logs)
-            return
-        self._delete_own_backups()
-
-    def _delete_own_backups(self):
-        """Deletes this worker's folder, or for the chief its own files in
-        `backup_dir`, never another worker's; `backup_dir` goes with the
-        last worker to finish."""
-        if self._worker[1]:
-            if os.path.isdir(self._folder):
-                for name in os.listdir(self._folder):
-                    if _WORKER_FOLDER_PATTERN.match(name):
-                        # Another worker's folder, which that worker deletes
-                        # itself, perhaps this very moment: never looked at.
-                        continue
-                    path = os.path.join(self._folder, name)
-                    if os.path.isdir(path):
-                        shutil.rmtree(path)
-                    else:
-                        os.remove(path)
-        else:
-            shutil.rmtree(self._folder, ignore_errors=True)
         try:
-            os.rmdir(self.backup_dir)
-        except OSError:
-            pass  # Another worker's backups are still in it, or it is gone.
+            if self._epoch_backup_pending and not self.delete_checkpoint:
+                self._epoch_backup_pending = False
+                self._save_model()
+            if self.delete_checkpoint:
+                self._delete_own_files()
+        finally:
+            self._release_lock()
+        if self.delete_checkpoint:
+            self._remove_empty_folders()
+
+    def _delete_own_files(self):
+        """Deletes what kmp wrote in this process's folder, by kmp's names:
+        the metadata first (so a kill part-way leaves no metadata naming a
+        deleted file), then the backups and partial files. Anything else
+        (the user's files, another worker's folder) is never touched."""
+        if not os.path.isdir(self._folder):
+            return
+        names = sorted(os.listdir(self._folder), key=lambda name: name != _METADATA_NAME)
+        for name in names:
+            if not (
+                name == _METADATA_NAME
+                or _BACKUP_PATTERN.match(name)
+                or _BACKUP_PARTIAL_PATTERN.match(name)
+            ):
+                continue
+            path = os.path.join(self._folder, name)
+            try:
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    os.remove(path)  # A link goes, never what it points to.
+            except FileNotFoundError:
+                pass
+
+    def _remove_empty_folders(self):
+        """Removes this process's folder, then `backup_dir` (a worker's
+        folder is inside it), each only if empty and never the working
+        directory; the last worker to finish removes `backup_dir`."""
+        folders = [self._folder]
+        if self._folder != self.backup_dir:
+            folders.append(self.backup_dir)
+        for folder in folders:
+            try:
+                if os.path.samefile(folder, os.getcwd()):
+                    continue
+                os.rmdir(folder)
+            except OSError:
+                pass  # Not empty (other files, another worker's), or gone.
 
     def _restore_monitors(self):
         # Not in on_train_begin: each monitor resets its own state there,
@@ -618,8 +1129,21 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 "that wrote it."
             )
         for monitor, state in zip(self.monitors, states):
-            for name, value in state.items():
-                setattr(monitor, name, value)
+            # `_check_metadata` admitted only the counters of
+            # `_MONITOR_ATTRIBUTES`, as numbers; each goes only to a monitor
+            # that has it, as the monitor kmp read it from had.
+            unknown = sorted(name for name in state if not hasattr(monitor, name))
+            if unknown:
+                raise ValueError(
+                    f"The backup in {self.backup_dir!r} holds {', '.join(unknown)} "
+                    f"for the monitor {type(monitor).__name__}, which has no such "
+                    "counter. Pass the same callbacks, in the same order, as the "
+                    "run that wrote it."
+                )
+        for monitor, state in zip(self.monitors, states):
+            for name in _MONITOR_ATTRIBUTES:
+                if name in state:
+                    setattr(monitor, name, state[name])
 
     def _save_model(self):
         os.makedirs(self._folder, exist_ok=True)
@@ -634,7 +1158,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self.model.save_weights(path, overwrite=True)
             checksum["sha256"] = _sha256(path)
 
-        write_atomically(os.path.join(self._folder, weights_name), write_weights)
+        _write_atomically(os.path.join(self._folder, weights_name), write_path=write_weights)
         metadata = {
             "epoch": self._current_epoch,
             "batch": self._last_batch_seen,
@@ -651,15 +1175,15 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         keep = {weights_name}
         if "previous" in metadata:
             keep.add(metadata["previous"]["weights"])
-        for path in self._backup_files():
-            if os.path.basename(path) not in keep:
-                os.remove(path)
-        for path in glob.glob(
-            os.path.join(glob.escape(self._folder), f".*{_PARTIAL_MARK}-*")
-        ):
-            # Left by a process killed while saving: only this process
-            # writes in this folder.
-            os.remove(path)
+        for name in os.listdir(self._folder):
+            # Backups no longer named, and partial files left by a process
+            # killed while saving: only this process writes in this folder.
+            if (_BACKUP_PATTERN.match(name) and name not in keep) or (
+                _BACKUP_PARTIAL_PATTERN.match(name)
+            ):
+                path = os.path.join(self._folder, name)
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    os.remove(path)
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
@@ -690,6 +1214,14 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         filepath = self._get_file_path(epoch, batch, logs)
         if not self._should_save_model(epoch, batch, logs, filepath):
             return
+        if os.path.isdir(filepath):
+            # Keras' own message; without it `os.replace` would raise a raw
+            # IsADirectoryError after a whole save.
+            raise IOError(
+                "Please specify a non-directory filepath for "
+                "ModelCheckpoint. Filepath used is an existing "
+                f"directory: {filepath}"
+            )
         dirname = os.path.dirname(filepath)
         if dirname:
             os.makedirs(dirname, exist_ok=True)

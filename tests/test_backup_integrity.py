@@ -1,5 +1,6 @@
-"""Backups that were damaged after they were written are refused (issue 17)."""
+"""Backups that were damaged after they were written are refused."""
 
+import hashlib
 import json
 import os
 
@@ -34,8 +35,6 @@ def _backed_up(backup_dir):
 
 
 def test_metadata_records_the_weights_files_sha256(tmp_path):
-    import hashlib
-
     _, metadata = _backed_up(tmp_path / "backup")
     weights = tmp_path / "backup" / metadata["weights"]
     assert metadata["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
@@ -50,7 +49,7 @@ def test_a_flipped_bit_is_refused_naming_the_file_before_any_epoch(tmp_path):
     resumed = _model()
     epochs = []
     x, y = _data()
-    with pytest.raises(ValueError, match=r"is damaged: its SHA-256 checksum is [0-9a-f]{64}") as info:
+    with pytest.raises(ValueError, match=r"is damaged: its SHA-256 checksum differs from the one") as info:
         resumed.fit(
             x, y, batch_size=8, epochs=4, verbose=0,
             callbacks=[
@@ -59,6 +58,10 @@ def test_a_flipped_bit_is_refused_naming_the_file_before_any_epoch(tmp_path):
             ],
         )
     assert str(weights) in str(info.value)
+    # The digest recorded is named; the digest of what is at that name now is
+    # not (the file may not be one kmp wrote).
+    assert metadata["sha256"] in str(info.value)
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() not in str(info.value)
     assert epochs == []  # refused before any epoch was trained
 
 

@@ -508,9 +508,9 @@ def test_a_flipped_bit_in_a_backup_is_an_error_naming_the_file(tmp_path):
 
     model, error = _run_with_backup(backup_dir, 3)
     assert str(error).startswith(
-        f"The backup file {str(weights_file)!r} is damaged: its SHA-256 checksum is "
-        f"{hashlib.sha256(weights_file.read_bytes()).hexdigest()}, but "
-        f"{str(backup_dir / 'training_metadata.json')!r} recorded {metadata['sha256']}"
+        f"The backup file {str(weights_file)!r} is damaged: its SHA-256 checksum "
+        f"differs from the one {str(backup_dir / 'training_metadata.json')!r} "
+        f"recorded ({metadata['sha256']})"
     ), error
     assert int(model.optimizer.iterations) == 0  # nothing restored either
 
@@ -780,10 +780,12 @@ def test_two_workers_sharing_one_backup_folder_resume_identical_after_a_kill(
     # keeps its previous one too.
     assert _epoch_in(backup / "training_metadata.json") == 2
     assert _epoch_in(backup / "worker-1" / "training_metadata.json") == 2
+    # Each holds its own lock file, which the killed processes' OS released.
     assert sorted(os.listdir(backup)) == [
         "backup-000000.weights.h5", "backup-000001.weights.h5",
-        "training_metadata.json", "worker-1",
+        "kmp-backup.lock", "training_metadata.json", "worker-1",
     ]
+    assert (backup / "worker-1" / "kmp-backup.lock").exists()
 
     # A flipped bit in worker 1's backup: worker 1 names the file, and worker 0
     # stops too instead of training from a state worker 1 does not share.

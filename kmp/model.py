@@ -5,6 +5,7 @@ import numbers
 import keras
 
 from kmp import _keras_internals
+from kmp import _precision
 from kmp import _train_step
 from kmp import distribute as distribute_module
 from kmp import export as export_module
@@ -101,9 +102,11 @@ class Model(keras.Model):
       with float32 variables;
     - `UnitNormalization`, `Normalization` and the layers named with
       `keep_float32` (see `kmp.set_policy`, `kmp.convert`) compute in float32
-      and hand the compute dtype on; layers are never changed outside the
-      model's own calls, so wrapping another model's layers leaves it as it
-      was;
+      and hand the compute dtype on. This is settled once, on the model's
+      own layers, at its first call (or `kmp.convert`): their dtype policies
+      say so from then on, for every thread and every caller, so a
+      `keras.Model` that shares those layers computes them as this model
+      does, as it shares their weights;
     - outputs are float32, so losses, metrics and exported signatures are
       float32;
     - `compile(loss_scale="auto")` wraps the optimizer in a
@@ -146,11 +149,11 @@ class Model(keras.Model):
             super().__init__(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        # Float32 layers are switched for the call only (and fit()'s trace of
-        # it): layers this model shares with another model stay as they are.
-        with policy_module._float32_islands(self, getattr(self, "_kmp_keep_float32", None)):
-            outputs = super().__call__(*args, **kwargs)
-        return _to_float32(outputs)
+        # Precision is settled on the first call (fit's symbolic build is
+        # one), once: float32 layers, cast-backs and token ids are the
+        # layers' own policies from then on (see kmp/_precision.py).
+        _precision.settle_once(self)
+        return _to_float32(super().__call__(*args, **kwargs))
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries=0, **kwargs):
         """Configures the model for training, with loss scaling.
@@ -372,6 +375,8 @@ def _restore_keep_float32(model, entries):
         object.__setattr__(
             model, "_kmp_keep_float32", policy_module._Float32Rules.from_config(entries)
         )
+        if getattr(model, "_kmp_settled", False):
+            _precision.settle(model, model._kmp_keep_float32)
     return model
 
 

@@ -76,9 +76,10 @@ def _output_leaves_keras(layer, parents, model):
     """Whether `layer`'s outputs may reach code that does not cast them.
 
     In a functional graph a consumer that is a Keras layer casting its
-    inputs, or a Keras op (which promotes), needs no cast-back; a layer that
-    takes its inputs as they come (`autocast=False`, or no input conversion)
-    does, and so does a graph output when the graph is held by other code
+    inputs needs no cast-back; a Keras op (`x + y`, which would promote to
+    float32 and hand float32 on) or a layer that takes its inputs as they
+    come (`autocast=False`, or no input conversion) does, and so does a
+    graph output when the graph is held by other code
     (`model`'s own outputs are cast to float32 by `kmp.Model`). Anything
     else (a subclassed layer's `call`) is code kmp cannot see.
     """
@@ -92,11 +93,13 @@ def _output_leaves_keras(layer, parents, model):
             ):
                 return True
             for operation in parent.operations:
-                if operation is layer or not isinstance(operation, keras.layers.Layer):
+                if operation is layer:
                     continue
                 consumed = keras.tree.flatten(operation.input)
                 if any(id(tensor) in produced for tensor in consumed) and not (
-                    operation.autocast and _keras_internals.converts_inputs(operation)
+                    isinstance(operation, keras.layers.Layer)
+                    and operation.autocast
+                    and _keras_internals.converts_inputs(operation)
                 ):
                     return True
         except (AttributeError, ValueError):

@@ -457,7 +457,7 @@ def _converted(model, source, target):
         warnings.warn(
             f"kmp.convert could not rebuild {model.name!r} faithfully from "
             f"its config ({reason}); "
-            "the result wraps it and shares its layers and weights, so "
+            "the result wraps it and shares its weights and layers, so "
             "training the result trains the original, and the original's "
             f"layers compute under {target} from now on. For a copy instead, "
             "give each custom "

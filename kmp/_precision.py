@@ -48,7 +48,7 @@ def settle(model, rules=None):
         for layer, role, reason, hands_on in plan:
             if not isinstance(layer.dtype_policy, policy_module._Float32Policy):
                 layer.dtype_policy = policy_module._Float32Policy(
-                    hands_on=hands_on, reason=reason
+                    hands_on=hands_on, reason=reason, was=layer.dtype_policy.name
                 )
             if role == "island" and _output_leaves_keras(layer, parents, model):
                 _cast_back(layer, hands_on)

@@ -114,9 +114,30 @@ class _WrappedModel(model_module.Model):
             for layer, target in _following_layers(model, policy).items():
                 layer.dtype_policy = target
         if model.built:
-            # Nothing of its own to build: it is built when its model is
-            # (fit's BackupAndRestore, Keras' included, refuses an unbuilt one).
-            self.built = True
+            # Built when its model is (fit's BackupAndRestore, Keras'
+            # included, refuses an unbuilt model), from the same shapes, which
+            # export reads.
+            self._build_like(model)
+
+    def _build_like(self, model):
+        try:
+            # A graph's inputs give the shapes and dtypes; a symbolic call
+            # builds the wrapper as a first call would (export reads it).
+            specs = keras.tree.map_structure(
+                lambda tensor: keras.KerasTensor(tensor.shape, dtype=tensor.dtype),
+                model.input,
+            )
+        except (AttributeError, ValueError):
+            specs = None  # no graph: a subclassed model
+        try:
+            if specs is not None:
+                self(specs)
+            elif model.get_build_config():
+                self.build_from_config(model.get_build_config())
+        except Exception:  # a model whose build Keras cannot replay
+            pass
+        if not self.built:
+            self.built = True  # nothing of its own to build
 
     @property
     def layers(self):
@@ -129,7 +150,9 @@ class _WrappedModel(model_module.Model):
 
     def get_config(self):
         return model_module._with_keep_float32({
-            "model": keras.saving.serialize_keras_object(self.wrapped),
+            "model": policy_module._unsettled_config(
+                keras.saving.serialize_keras_object(self.wrapped)
+            ),
             "model_policy": self.wrapped.dtype_policy.name,
             # Its layers were set to the policy when it was wrapped, so their
             # configs carry it: nothing is left to set when it is loaded.
@@ -262,6 +285,11 @@ def _wrapper_keeping(model_class):
             namespace[name] = inspect.getattr_static(_WrappedModel, name)
         except AttributeError:
             pass
+    for name in _TRAINING_METHODS[1:]:
+        if name in own:
+            # In the new class's own namespace, so that kmp.Model's
+            # __init_subclass__ makes its train_step report the scalers.
+            namespace[name] = getattr(model_class, name)
     wrapper_class = type(model_class.__name__, (model_class, _WrappedModel), namespace)
     # Saved as a WrappedModel (whose from_config makes this class again from
     # the wrapped model's), and loaded as one: registering this class took

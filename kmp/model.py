@@ -390,7 +390,9 @@ class FunctionalModel(Model, _keras_internals.Functional):
     """
 
     def get_config(self):
-        config = _with_keep_float32(super().get_config(), self)
+        config = _with_keep_float32(
+            policy_module._unsettled_config(super().get_config()), self
+        )
         if "layers" in config:  # a functional config, which from_config below reads
             # Keras leaves it out: a loaded functional model would take the
             # global policy of the moment, whatever it was saved with.

@@ -645,9 +645,13 @@ class _Float32Policy(keras.DTypePolicy):
             cast back to (an island), or `None` (a layer inside an island,
             whose outputs stay inside it).
         reason: Optional string. Why the layer computes in float32.
+        was: Optional string. The name of the policy it had before
+            (`"mixed_float16"`): what a saved config records
+            (`_unsettled_config`), so a loaded model settles again from its
+            rules.
     """
 
-    def __init__(self, name="float32", hands_on=None, reason=None):
+    def __init__(self, name="float32", hands_on=None, reason=None, was=None):
         if name != "float32":
             raise ValueError(
                 "kmp's float32 layer policy computes in float32 only. "
@@ -656,12 +660,39 @@ class _Float32Policy(keras.DTypePolicy):
         super().__init__("float32")
         self._hands_on = hands_on
         self._reason = reason
+        self._was = was
 
     hands_on = property(lambda self: self._hands_on)
     reason = property(lambda self: self._reason)
+    was = property(lambda self: self._was)
 
     def get_config(self):
-        return {"name": "float32", "hands_on": self._hands_on, "reason": self._reason}
+        return {
+            "name": "float32",
+            "hands_on": self._hands_on,
+            "reason": self._reason,
+            "was": self._was,
+        }
+
+
+def _unsettled_config(config):
+    """`config` (a model's) with each layer kmp settled in float32 back on the
+    policy it had (`_Float32Policy.was`).
+
+    Keras' `Layer.from_config` keeps only a policy's name, so a saved
+    `_Float32Policy` would load as a plain float32 layer that no rule
+    matches and that casts nothing back; saved as it was, the loaded model
+    settles again from its `keep_float32` rules and kmp's list.
+    """
+    if isinstance(config, list):
+        return [_unsettled_config(item) for item in config]
+    if not isinstance(config, dict):
+        return config
+    if config.get("class_name") == "_Float32Policy":
+        was = config.get("config", {}).get("was")
+        if was:
+            return keras.dtype_policies.serialize(keras.DTypePolicy(was))
+    return {key: _unsettled_config(value) for key, value in config.items()}
 
 
 def _float32_plan(model, rules=None):

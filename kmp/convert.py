@@ -334,7 +334,11 @@ def _as_kmp_model(clone):
         except (AttributeError, ValueError):
             inputs = None
         if inputs and len(inputs) == 1 and len(outputs) == 1:
-            return model_module.Model(inputs[0], outputs[0], name=clone.name)
+            converted = model_module.Model(inputs[0], outputs[0], name=clone.name)
+            # `layers` as the Sequential lists them (no input layer), so
+            # `model.layers[0]` is the same layer after converting.
+            object.__setattr__(converted, "_kmp_sequential_layers", True)
+            return converted
     return _WrappedModel(clone)
 
 

@@ -385,14 +385,25 @@ class FunctionalModel(Model, _keras_internals.Functional):
     """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model.
 
     Its config carries the layers kmp keeps in float32 (`keep_float32` of
-    `kmp.convert`) and the model's own policy, so a `.keras` round trip keeps
-    them.
+    `kmp.convert`), the model's own policy and, for one `kmp.convert` made
+    from a `Sequential`, that `layers` lists them as the Sequential did (no
+    input layer), so a `.keras` round trip keeps them.
     """
+
+    @property
+    def layers(self):
+        layers = super().layers
+        if getattr(self, "_kmp_sequential_layers", False):
+            # Converted from a Sequential: listed as the Sequential lists them.
+            return [layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
+        return layers
 
     def get_config(self):
         config = _with_keep_float32(
             policy_module._unsettled_config(super().get_config()), self
         )
+        if getattr(self, "_kmp_sequential_layers", False):
+            config["sequential_layers"] = True
         if "layers" in config:  # a functional config, which from_config below reads
             # Keras leaves it out: a loaded functional model would take the
             # global policy of the moment, whatever it was saved with.
@@ -404,7 +415,10 @@ class FunctionalModel(Model, _keras_internals.Functional):
         config = dict(config)
         entries = config.pop("keep_float32", None)
         dtype = config.pop("dtype", None)
+        sequential_layers = config.pop("sequential_layers", False)
         model = super().from_config(config, custom_objects=custom_objects)
+        if sequential_layers:
+            object.__setattr__(model, "_kmp_sequential_layers", True)
         if dtype is not None:
             model.dtype_policy = keras.dtype_policies.deserialize(dtype)
         return _restore_keep_float32(model, entries)

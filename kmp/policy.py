@@ -418,10 +418,11 @@ def _resolve_auto():
 # What a `keep_float32` pattern may be, so that matching it cannot stall (a
 # `.keras` file carries its model's patterns: loading one must not hang on a
 # pattern like `re:(a+)+$`). Python's backtracking matcher is exponential in
-# nested repeats and polynomial, of degree their number, in repeats side by
-# side: three `.*` against 256 characters take milliseconds, four against
-# 512 take seconds. So: no repeat inside a repeat, no backreference, at most
-# three repeats of more than one character, and names up to 256 characters.
+# nested repeats (and alternations under a repeat) and polynomial, of degree
+# their number, in repeats side by side: three `.*` against 256 characters
+# take milliseconds, four against 512 take seconds. So: no repeat or
+# alternation inside a repeat, no backreference, at most three repeats of
+# more than one character, and names up to 256 characters.
 _LONGEST_PATTERN = 200
 _MOST_REPEATS = 3
 _LONGEST_MATCHED_NAME = 256
@@ -437,22 +438,23 @@ def _regex_parser():
 
 def _pattern_problem(parsed, parser, inside_repeat=False, counts=None):
     """Why a parsed pattern could match slowly, or `None`; counts its repeats."""
-    constants = parser
     repeats = {
-        getattr(constants, name)
+        getattr(parser, name)
         for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
-        if hasattr(constants, name)
+        if hasattr(parser, name)
     }
     references = {
-        getattr(constants, name)
+        getattr(parser, name)
         for name in ("GROUPREF", "GROUPREF_EXISTS", "GROUPREF_IGNORE", "GROUPREF_LOC_IGNORE",
                      "GROUPREF_UNI_IGNORE")
-        if hasattr(constants, name)
+        if hasattr(parser, name)
     }
     counts = [0] if counts is None else counts
     for op, argument in parsed:
         if op in references:
             return "a backreference"
+        if op == parser.BRANCH and inside_repeat:
+            return "an alternation inside a repeat, e.g. (a|aa)*"
         if op in repeats:
             low, high, subpattern = argument
             if high > 1:
@@ -486,7 +488,7 @@ def _check_pattern_is_bounded(entry, argument):
         shown = entry if len(entry) <= 80 else entry[:77] + "..."
         raise ValueError(
             f"Each `{argument}` pattern must match in bounded time: no "
-            "repeat inside a repeat, no backreference, at most "
+            "repeat or alternation inside a repeat, no backreference, at most "
             f"{_MOST_REPEATS} repeats, at most {_LONGEST_PATTERN} characters. "
             f"This one has {problem}. Name the layers, or write a simpler "
             f"pattern. Received: {argument} entry {shown!r}"

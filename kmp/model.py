@@ -1,5 +1,6 @@
 """kmp.Model: a keras.Model whose training applies the precision policy."""
 
+import functools
 import numbers
 
 import keras
@@ -75,20 +76,28 @@ def _check_overflow_retries(overflow_retries):
         )
 
 
-def _inject_functional(cls):
-    """Puts `FunctionalModel` in place of `Model` in `cls`'s bases.
+@functools.cache
+def _functional_class(cls):
+    """The functional class for instances of `cls`, a subclass of kmp.Model
+    whose `__init__` calls `super().__init__(inputs, outputs)`.
 
-    Keras does the same with `Functional` for `keras.Model` subclasses that
-    call `super().__init__(inputs, outputs)`, but it would rewrite
-    `kmp.Model`'s own bases, turning every later subclassed model into a
-    broken functional one.
+    Keras rewrites such a `keras.Model` subclass's `__bases__` to put
+    `Functional` in them; kmp changes no class it does not own: it makes one
+    of its own instead, `cls` and `FunctionalModel` both, with `cls`'s name,
+    module and registered name (so a `.keras` file names it as `cls`).
     """
-    if cls is Model:
-        return FunctionalModel
-    if cls is object or not issubclass(cls, Model) or issubclass(cls, _keras_internals.Functional):
+    if issubclass(cls, _keras_internals.Functional):
         return cls
-    cls.__bases__ = tuple(_inject_functional(base) for base in cls.__bases__)
-    return cls
+    functional = type(
+        cls.__name__,
+        (cls, FunctionalModel),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
+    registered = keras.saving.get_registered_name(cls)
+    if registered != cls.__name__:  # `cls` is registered: so is its functional twin
+        package, _, name = registered.rpartition(">")
+        keras.saving.register_keras_serializable(package, name)(functional)
+    return functional
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -134,15 +143,20 @@ class Model(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is Model and _keras_internals.functional_init_arguments(args, kwargs):
-            cls = FunctionalModel
+        if _keras_internals.functional_init_arguments(args, kwargs):
+            cls = FunctionalModel if cls is Model else _functional_class(cls)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
         if _keras_internals.functional_init_arguments(args, kwargs):
+            if not isinstance(self, _keras_internals.Functional):
+                # A subclass whose own __init__ makes the graph (`__new__`
+                # saw no inputs): this new instance becomes one of kmp's
+                # functional class for it. Keras would rewrite the user's
+                # class's bases instead, for every instance to come.
+                object.__setattr__(self, "__class__", _functional_class(type(self)))
             # Never through keras.Model.__init__, which rewrites class bases
-            # up to keras.Model (see `_inject_functional`).
-            _inject_functional(type(self))
+            # up to keras.Model.
             _keras_internals.Trainer.__init__(self)
             _keras_internals.Functional.__init__(self, *args, **kwargs)
         else:

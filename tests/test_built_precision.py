@@ -230,3 +230,29 @@ def test_patterns_are_matched_against_bounded_names():
     assert time.perf_counter() - started < 1.0
     assert rules.match(layers.Dense(1, name="x_x_z")) == repr("re:.*x.*x.*z")
     assert rules.match(layers.Dense(1, name="x" * 250 + "z")) is not None
+
+
+def test_a_functional_subclass_is_made_without_rewriting_its_class():
+    kmp.set_policy("mixed_float16")
+
+    class Net(kmp.Model):
+        def __init__(self):
+            inputs = keras.Input((4,))
+            super().__init__(inputs, layers.Dense(2)(inputs), name="net")
+
+    class Plain(kmp.Model):  # not functional: stays as it is written
+        def call(self, x):
+            return x
+
+    net = Net()
+    # Keras rewrites a keras.Model subclass's bases to add Functional; kmp
+    # makes a class of its own for the instance and leaves Net as written.
+    assert Net.__bases__ == (kmp.Model,)
+    assert kmp.Model.__bases__ == (keras.Model,)
+    assert isinstance(net, Net) and isinstance(net, kmp.model.FunctionalModel)
+    assert type(net).__name__ == "Net" and type(net) is not Net
+    assert type(Net()) is type(net)  # one class per subclass
+    assert not isinstance(Plain(), kmp.model.FunctionalModel)
+    result = net(np.ones((3, 4), "float32"))
+    assert keras.backend.standardize_dtype(result.dtype) == "float32"
+    assert net.layers[-1].compute_dtype == "float16"

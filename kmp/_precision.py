@@ -51,7 +51,7 @@ def settle(model, rules=None):
                     hands_on=hands_on, reason=reason, was=layer.dtype_policy.name
                 )
             if role == "island" and _output_leaves_keras(layer, parents, model):
-                _cast_back(layer, hands_on)
+                _cast_back(layer)
         _token_ids.settle(model)
         # object.__setattr__: Keras would track the flag as layer state.
         object.__setattr__(model, "_kmp_settled", True)
@@ -107,8 +107,8 @@ def _output_leaves_keras(layer, parents, model):
     return False
 
 
-def _cast_back(layer, dtype):
-    """Makes `layer` hand its floating outputs on as `dtype`, once.
+def _cast_back(layer):
+    """Makes `layer` hand its floating outputs on as its policy's `hands_on`, once.
 
     Keras has no hook on a layer's outputs (its policy casts inputs only), so
     an island whose outputs reach code that adds them to 16-bit tensors (a
@@ -118,14 +118,18 @@ def _cast_back(layer, dtype):
     `_output_leaves_keras`).
     """
     current = layer.__dict__.get("call")
-    if getattr(current, "_kmp_casts_back_to", None) is not None:
+    if getattr(current, "_kmp_casts_back", False):
         return
     call = layer.call
 
     @functools.wraps(call)
     def call_casting_back(*args, **kwargs):
-        return policy_module._cast_floats(call(*args, **kwargs), dtype)
+        outputs = call(*args, **kwargs)
+        # Read from the policy: `kmp.export` and `kmp.load_model` give the
+        # layer another one (a plain float32 policy hands float32 on).
+        hands_on = getattr(layer.dtype_policy, "hands_on", None)
+        return outputs if hands_on is None else policy_module._cast_floats(outputs, hands_on)
 
-    call_casting_back._kmp_casts_back_to = dtype
+    call_casting_back._kmp_casts_back = True
     # object.__setattr__: Keras would track the function as layer state.
     object.__setattr__(layer, "call", call_casting_back)

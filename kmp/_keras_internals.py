@@ -19,7 +19,7 @@ present from Keras 3.10 to 3.15):
 | `Optimizer._get_variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
 | `Optimizer._overwrite_variable_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
 | TF `Optimizer._all_reduce_sum_gradients` | `_replicas.py` | switched off while kmp applies gradients it summed already (one all-reduce per step) |
-| `Layer._flatten_layers` | `policy.py`, `_token_ids.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
+| `Layer._flatten_layers` | `policy.py`, `_precision.py`, `_token_ids.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
 | `Layer._call_has_training_arg` | `convert.py` | call a wrapped model as Keras would |
 | `Layer._dtype_policy` | `policy.py` | set a layer's policy without Keras' once-only checks |
 | `DTypePolicy.convert_input` (overridden in kmp's own `_ExactIdsPolicy`) | `_token_ids.py` | Keras' autocast of a layer's inputs: a layer holding an embedding hands float32 ids on unrounded |

@@ -175,15 +175,20 @@ def set_policy(name, keep_float32=None):
     `keep_float32` adds layers to those that compute in float32 inside every
     `kmp.Model` (`UnitNormalization` and `Normalization` always do): such a
     layer computes in float32 and hands the compute dtype on, so code around
-    it sees no dtype change. Names can only be checked against a model:
-    `kmp.convert` raises for a name no layer of its model has.
+    it sees no dtype change. It is read when a model settles its precision
+    (its first call, or `kmp.convert`): a model called before keeps what it
+    settled. Names can only be checked against a model: `kmp.convert` raises
+    for a name no layer of its model has.
 
     Args:
         name: String or `kmp.Policy`. One of `"float32"`, `"mixed_float16"`,
             `"mixed_bfloat16"` or `"auto"`.
         keep_float32: Optional list of layer classes, layer names or name
             patterns (`"re:.*attention.*"`, matched in full against a layer's
-            name and path). Replaces the list set by the previous call.
+            name and path, up to 256 characters). A pattern must match in
+            bounded time: no repeat or alternation inside a repeat
+            (`(a+)+`, `(a|aa)*`), no backreference, at most 3 repeats and
+            200 characters. Replaces the list set by the previous call.
             Defaults to `None` (none beyond kmp's own).
 
     Returns:
@@ -191,8 +196,8 @@ def set_policy(name, keep_float32=None):
 
     Raises:
         ValueError: if `name` is not a valid policy name, or a pattern of
-            `keep_float32` is not a valid regular expression. Nothing is
-            changed.
+            `keep_float32` is not a valid regular expression or could match
+            slowly. Nothing is changed.
         TypeError: if an entry of `keep_float32` is neither a string nor a
             layer class. Nothing is changed.
 

@@ -60,7 +60,9 @@ def settle(model, rules=None):
 def settle_once(model):
     """Settles `model` at its first call (`kmp.Model.__call__`), with its rules."""
     if not getattr(model, "_kmp_settled", False):
-        settle(model, getattr(model, "_kmp_keep_float32", None))
+        with _SETTLING:  # checked again: another thread may have settled it
+            if not getattr(model, "_kmp_settled", False):
+                settle(model, getattr(model, "_kmp_keep_float32", None))
 
 
 def _parents(model):

@@ -395,12 +395,14 @@ def convert(model, policy=None, keep_float32=None, compile=True):
         result computes in float16 (a model that overrides compile is left
         for you to compile; kmp warns)
     ```
-    the result's precision (float32 layers, token ids) is settled on its
+    The result's precision (float32 layers, token ids) is settled on its
     layers once, here (see `kmp/_precision.py`), not switched per call.
     The model passed in is never changed, unless it is wrapped: then the
-    result shares its layers and weights, and their policy. A functional result or a wrapper
-    keeps its policy, `keep_float32` and loss scaling through a `.keras`
-    file (a `kmp.Model` subclass keeps what its own `get_config()` holds).
+    result shares its layers and weights, and so their policy. A built
+    model gives a built result whose `layers` lists what the model's
+    `layers` lists. A functional result or a wrapper keeps its policy,
+    `keep_float32` and loss scaling through a `.keras` file (a `kmp.Model`
+    subclass keeps what its own `get_config()` holds).
 
     Args:
         model: A `keras.Model`, built or not: functional, `Sequential`,

@@ -19,10 +19,11 @@ present from Keras 3.10 to 3.15):
 | `Optimizer._get_variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
 | `Optimizer._overwrite_variable_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
 | TF `Optimizer._all_reduce_sum_gradients` | `_replicas.py` | switched off while kmp applies gradients it summed already (one all-reduce per step) |
-| `Layer._flatten_layers` | `policy.py`, `_token_ids.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
+| `Layer._flatten_layers` | `policy.py`, `_precision.py`, `_token_ids.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
 | `Layer._call_has_training_arg` | `convert.py` | call a wrapped model as Keras would |
 | `Layer._dtype_policy` | `policy.py` | set a layer's policy without Keras' once-only checks |
-| `DTypePolicy.convert_input` (overridden) | `_token_ids.py` | Keras' autocast of a layer's inputs: remember the float32 ids behind each 16-bit cast |
+| `DTypePolicy.convert_input` (overridden in kmp's own `_ExactIdsPolicy`) | `_token_ids.py` | Keras' autocast of a layer's inputs: a layer holding an embedding hands float32 ids on unrounded |
+| `Layer._convert_input_args` (`converts_inputs`, i23-precision) | `_precision.py` | whether a float32 layer's consumer casts its outputs back to 16 bits itself |
 | `KerasTensor._keras_history` | `_diagnose_static.py` | which layer produced a functional model's tensor |
 | `Model._distribute_strategy`, `Model._symbolic_build` | `model.py`, `distribute.py` | build across workers, where Keras' own build fails |
 | `ModelCheckpoint._get_file_path`, `_should_save_model`; `BackupAndRestore._training_metadata_path`, `_initial_epoch` | `checkpoint.py` | resume where Keras' own callbacks keep their state |
@@ -55,3 +56,17 @@ __all__ = [
     "no_automatic_dependency_tracking",
     "print_msg",
 ]
+
+
+# --- i23-precision: settling a kmp.Model's precision once (kmp/_precision.py) ---
+
+
+def converts_inputs(layer):
+    """Whether Keras casts `layer`'s floating inputs to its compute dtype.
+
+    `Layer._convert_input_args`: `False` on layers that take their inputs as
+    they come (functional models, some of Keras' own). `kmp/_precision.py`
+    reads it to know whether a float32 layer's outputs reach a consumer that
+    would not cast them back to 16 bits.
+    """
+    return getattr(layer, "_convert_input_args", True)

@@ -10,31 +10,31 @@ float16 holds integers exactly only up to 2048, bfloat16 only up to 256: id
 range. `Embedding` itself does not autocast (Keras sets `autocast=False`);
 the layers around it do.
 
-While a `kmp.Model` runs (`keep_exact`, entered by
-`kmp.policy._float32_islands`):
+Settled once, when a `kmp.Model` is first called, converted or loaded
+(`settle`, called by `kmp._precision.settle`), on the model's own layers:
 
 ```
 id layers:  every Embedding (its first argument), and every layer whose
             call() casts one of its arguments to an integer dtype (read from
             its source: `ops.cast(x, "int32")`, `x.astype("int64")`)
-holders:    each id layer and each layer holding one (the model included)
-            that computes in 16 bits; its dtype policy is swapped for one
-            that casts exactly as before but remembers, for each 16-bit
-            tensor it makes, the wider tensor it made it from
-id layer:   an id argument that is such a 16-bit tensor is replaced by the
-            wider one, so the ids are cast to integers from float32;
-            any other 16-bit id argument was rounded before kmp saw it:
-            warn once per layer (its name, the largest exact id for the
-            dtype, the fix: keras.Input(..., dtype="int32"))
+holders:    each id layer and each layer holding one (a subclassed model
+            included) that computes in 16 bits and autocasts its inputs;
+            one that takes one input gets an `_ExactIdsPolicy`: the same
+            compute and variable dtypes, but a float32 input is handed on
+            as it is, so the ids inside reach the embedding exact
+rounded:    an id layer that a functional graph hands 16-bit ids (a layer
+            before it cast them): kmp cannot undo that; it warns once, at
+            settling (the layer's name, the largest exact id for the dtype,
+            the fix: keras.Input(..., dtype="int32"))
 ```
 
-Nothing else changes: the holders still get 16-bit inputs and compute in 16
-bits; only the id layers' ids come in wide. Policies and `call`s are
-restored on exit, as for float32 islands.
+Nothing is switched per call and no `call` is replaced: a holder keeps its
+policy from then on, for every caller. A holder with several inputs keeps
+Keras' casts (its float inputs may meet 16-bit tensors in its own code);
+`kmp.diagnose` reports ids rounded there.
 """
 
 import ast
-import contextlib
 import functools
 import inspect
 import re
@@ -212,69 +212,52 @@ def warning_message(layer, dtype):
     )
 
 
-class _RecordingPolicy(keras.DTypePolicy):
-    """A layer's policy, remembering the wider tensor behind each 16-bit input.
+@keras.saving.register_keras_serializable(package="kmp")
+class _ExactIdsPolicy(keras.DTypePolicy):
+    """A holder's policy: casts as Keras does, but hands wide floats on as they are.
 
-    Casts exactly as the policy it stands in for (same name, so same compute
-    and variable dtypes); `wide_sources` maps `id(cast)` to `(cast, source)`
-    for each floating input it narrows to 16 bits.
+    Same name, so the same compute and variable dtypes as the policy it
+    stands in for; only `convert_input`, Keras' autocast of the layer's
+    inputs, differs: a float32 (or wider) input is not narrowed to 16 bits,
+    so the ids in it reach the layer's embedding exact. Given to a layer
+    that holds an id layer and takes one input (see `settle`).
     """
 
-    def __init__(self, name, wide_sources):
-        super().__init__(name)
-        self._wide_sources = wide_sources
-
     def convert_input(self, x, autocast, dtype):
-        converted = super().convert_input(x, autocast, dtype)
-        source_dtype = _standard_dtype(x)
-        if (
-            converted is not x
-            and _is_sixteen_bit(converted)
-            and source_dtype is not None
-            and keras.backend.is_float_dtype(source_dtype)
-            and source_dtype not in LARGEST_EXACT_INTEGER
-        ):
-            # Keep `converted` alive with its entry: its id is not reused.
-            self._wide_sources[id(converted)] = (converted, x)
-        return converted
+        if autocast and keras.backend.standardize_dtype(dtype) in LARGEST_EXACT_INTEGER:
+            source = _standard_dtype(x)
+            if (
+                source is not None
+                and keras.backend.is_float_dtype(source)
+                and source not in LARGEST_EXACT_INTEGER
+            ):
+                return super().convert_input(x, autocast, "float32")
+        return super().convert_input(x, autocast, dtype)
 
 
-def _exact_ids_call(layer, call, names, wide_sources):
-    """`call`, with each id argument a recorded 16-bit cast replaced by its source."""
-    signature = inspect.signature(type(layer).call)
-
-    def call_with_exact_ids(*args, **kwargs):
-        try:
-            bound = signature.bind(layer, *args, **kwargs)
-        except TypeError:
-            return call(*args, **kwargs)  # Let the layer raise its own error.
-        if bound.arguments.get("reverse") is True:
-            # ReversibleEmbedding(reverse=True) maps hidden states to logits.
-            return call(*args, **kwargs)
-        for name in names:
-            value = bound.arguments.get(name)
-            if not _is_sixteen_bit(value):
-                continue
-            entry = wide_sources.get(id(value))
-            if entry is not None and entry[0] is value:
-                bound.arguments[name] = entry[1]
-            else:
-                _warn_once(layer, _standard_dtype(value))
-        return call(*bound.args[1:], **bound.kwargs)
-
-    return call_with_exact_ids
+_CONTEXT_ARGUMENTS = ("training", "mask")
 
 
-def _warn_once(layer, dtype):
-    if (
-        getattr(layer, "_kmp_warned_token_ids", False)
-        or _keras_internals.in_symbolic_scope()  # Shapes only, no values yet.
-        or not can_round(layer, dtype)
-    ):
-        return
-    # object.__setattr__: Keras would track the flag as layer state.
-    object.__setattr__(layer, "_kmp_warned_token_ids", True)
-    warnings.warn(warning_message(layer, dtype), stacklevel=4)
+def _takes_one_input(layer):
+    """Whether `layer.call` takes one input (besides `training` and `mask`).
+
+    Keras casts every floating leaf of a layer's arguments with one policy
+    call each, not knowing which argument it came from: only a layer whose
+    one input holds the ids can keep its floats wide without widening other
+    inputs its own code may mix with 16-bit tensors.
+    """
+    try:
+        parameters = list(inspect.signature(type(layer).call).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    inputs = [
+        parameter
+        for parameter in parameters
+        if parameter.name not in _CONTEXT_ARGUMENTS
+        and parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+        and parameter.default is parameter.empty
+    ]
+    return len(inputs) == 1
 
 
 def _plan(model):
@@ -292,36 +275,47 @@ def _plan(model):
             and layer.autocast
             and _computes_in_sixteen_bits(layer)
             and policy_module._can_change_policy(layer)
+            # A functional model does not cast its inputs; its layers do.
+            and not isinstance(layer, _keras_internals.Functional)
         ):
             holders.append(layer)
     return holders, id_layers
 
 
-@contextlib.contextmanager
-def keep_exact(model):
-    """Runs a block with `model`'s token ids kept exact where they can be.
+def settle(model):
+    """Keeps `model`'s token ids exact where they can be, once; warns where not.
 
     See the module docstring. A model with no layer in 16 bits is left as it
-    is.
+    is. Called by `kmp._precision.settle`.
     """
     layers = model._flatten_layers(include_self=True, recursive=True)
     if not any(_computes_in_sixteen_bits(layer) for layer in layers):
-        yield
         return
-    holders, id_layers = _plan(model)
-    wide_sources = {}
-    policies = {
-        layer: _RecordingPolicy(layer.dtype_policy.name, wide_sources)
-        for layer in holders
-    }
-    wrappers = {
-        layer: functools.partial(
-            _exact_ids_call, layer, names=names, wide_sources=wide_sources
-        )
-        for layer, names in id_layers.items()
-    }
-    try:
-        with policy_module._layer_policies(policies), policy_module._wrapped_calls(wrappers):
-            yield
-    finally:
-        wide_sources.clear()
+    holders, _ = _plan(model)
+    for layer in holders:
+        if not isinstance(layer.dtype_policy, _ExactIdsPolicy) and _takes_one_input(layer):
+            layer.dtype_policy = _ExactIdsPolicy(layer.dtype_policy.name)
+    for layer, dtype in _rounded_in_graph(model):
+        warnings.warn(warning_message(layer, dtype), stacklevel=5)
+
+
+def _rounded_in_graph(model):
+    """`(layer, dtype)` for each id layer a functional graph of `model` hands
+    16-bit ids to (a layer before it narrowed them), where `dtype` can round
+    one of its ids."""
+    found, seen = [], set()
+    for graph in model._flatten_layers(include_self=True, recursive=True):
+        if not isinstance(graph, _keras_internals.Functional):
+            continue
+        for layer in graph.layers:
+            if id(layer) in seen or not id_arguments(layer):
+                continue
+            try:
+                inputs = keras.tree.flatten(layer.input)
+            except (AttributeError, ValueError):
+                continue  # Called more than once: no one input to read.
+            arriving = _standard_dtype(inputs[0]) if inputs else None
+            if arriving in LARGEST_EXACT_INTEGER and can_round(layer, arriving):
+                seen.add(id(layer))
+                found.append((layer, arriving))
+    return found

@@ -8,6 +8,7 @@ import warnings
 import keras
 
 from kmp import _keras_internals
+from kmp import _precision
 from kmp import model as model_module
 from kmp import policy as policy_module
 
@@ -98,8 +99,10 @@ class _WrappedModel(model_module.Model):
     """A `kmp.Model` whose call is another model's, under a policy.
 
     `policy` is `None` when the wrapped model was built under the policy
-    already (a clone); otherwise its layers that follow its own policy are
-    switched to `policy` for each call and switched back after.
+    already (a clone); otherwise the wrapped model's layers that follow its
+    own policy are set to `policy` here, once (they are the wrapper's layers
+    now). A built model gives a built wrapper, and `layers` lists the
+    wrapped model's layers, as the model itself does.
     """
 
     def __init__(self, model, policy=None, **kwargs):
@@ -107,57 +110,53 @@ class _WrappedModel(model_module.Model):
         super().__init__(**kwargs)
         self.wrapped = model
         self._kmp_wrapped_policy = policy
+        if policy is not None:
+            for layer, target in _following_layers(model, policy).items():
+                layer.dtype_policy = target
+        if model.built:
+            # Built when its model is (fit's BackupAndRestore, Keras'
+            # included, refuses an unbuilt model), from the same shapes, which
+            # export reads.
+            self._build_like(model)
 
-    def compile(self, optimizer="rmsprop", *args, loss_scale="auto", **kwargs):
-        # "auto" reads the layers' dtypes, which are the policy's only while
-        # the model runs when the layers are the original's.
-        if loss_scale == "auto" and self._kmp_wrapped_policy == "mixed_float16":
-            loss_scale = "dynamic"
-        super().compile(optimizer, *args, loss_scale=loss_scale, **kwargs)
-
-    @contextlib.contextmanager
-    def _kmp_switched(self):
-        """The wrapped model's layers under the policy, for a call or a step
-        of the model's own that calls them directly (a GAN's
-        `self.generator`). Once: a call inside a switched step is not
-        switched again (nor are its float32 islands planned twice, which
-        would plan token ids twice)."""
-        if self._kmp_wrapped_policy is None or getattr(self, "_kmp_switching", False):
-            yield  # a copy (its layers are under the policy) or switched already
-            return
-        # object.__setattr__: Keras would track the flag as state.
-        object.__setattr__(self, "_kmp_switching", True)
+    def _build_like(self, model):
         try:
-            with policy_module._layer_policies(
-                _following_layers(self.wrapped, self._kmp_wrapped_policy)
-            ):
-                yield
-        finally:
-            object.__setattr__(self, "_kmp_switching", False)
+            # A graph's inputs give the shapes and dtypes; a symbolic call
+            # builds the wrapper as a first call would (export reads it).
+            specs = keras.tree.map_structure(
+                lambda tensor: keras.KerasTensor(tensor.shape, dtype=tensor.dtype),
+                model.input,
+            )
+        except (AttributeError, ValueError):
+            specs = None  # no graph: a subclassed model
+        try:
+            if specs is not None:
+                self(specs)
+            elif model.get_build_config():
+                self.build_from_config(model.get_build_config())
+        except Exception:  # a model whose build Keras cannot replay
+            pass
+        if not self.built:
+            self.built = True  # nothing of its own to build
+
+    @property
+    def layers(self):
+        return self.wrapped.layers
 
     def call(self, inputs, training=None):
-        with contextlib.ExitStack() as stack:
-            if self._kmp_wrapped_policy is not None and not getattr(
-                self, "_kmp_switching", False
-            ):
-                stack.enter_context(self._kmp_switched())
-                # Planned after the switch: before it, the layers kmp keeps in
-                # float32 may not have been 16-bit at all. (Within a switched
-                # step, kmp.Model's call planned them already.)
-                stack.enter_context(
-                    policy_module._float32_islands(
-                        self.wrapped, getattr(self, "_kmp_keep_float32", None)
-                    )
-                )
-            if self.wrapped._call_has_training_arg:
-                return self.wrapped(inputs, training=training)
-            return self.wrapped(inputs)
+        if self.wrapped._call_has_training_arg:
+            return self.wrapped(inputs, training=training)
+        return self.wrapped(inputs)
 
     def get_config(self):
         return model_module._with_keep_float32({
-            "model": keras.saving.serialize_keras_object(self.wrapped),
+            "model": policy_module._unsettled_config(
+                keras.saving.serialize_keras_object(self.wrapped)
+            ),
             "model_policy": self.wrapped.dtype_policy.name,
-            "policy": self._kmp_wrapped_policy,
+            # Its layers were set to the policy when it was wrapped, so their
+            # configs carry it: nothing is left to set when it is loaded.
+            "policy": None,
             "name": self.name,
         }, self)
 
@@ -187,9 +186,6 @@ _TRAINING_METHODS = (
     "compute_loss",
     "compute_metrics",
 )
-# Those of them that may call the model's sublayers directly (a GAN's step
-# calls `self.generator`), so they run under the wrapper's policy.
-_STEPS_UNDER_POLICY = _TRAINING_METHODS[1:]
 # What makes a wrapper a wrapper (how it is made, called, built and saved),
 # whichever class of the model defines it: the model's own `call` runs on the
 # wrapped model, never on the wrapper.
@@ -244,15 +240,6 @@ def _wrapped_attribute(self, name):
     return getattr(wrapped, name)
 
 
-def _under_policy(step):
-    @functools.wraps(step)
-    def step_under_policy(self, *args, **kwargs):
-        with self._kmp_switched():
-            return step(self, *args, **kwargs)
-
-    return step_under_policy
-
-
 @functools.cache
 def _wrapper_keeping(model_class):
     """A wrapper class that is also a `model_class`: kmp's wrapper for what
@@ -264,8 +251,9 @@ def _wrapper_keeping(model_class):
         __init__, call, build, get_config, ...  -> _WrappedModel's
         (call runs the wrapped GAN's own call, under the policy)
         compile, train_step, helpers, metrics   -> GAN's, run on the wrapper
-        (super().compile() reaches kmp.Model.compile; each step runs under
-        the policy; attributes the wrapper lacks are the wrapped model's)
+        (super().compile() reaches kmp.Model.compile; the wrapped model's
+        layers are under the policy since the wrapper was made; attributes
+        the wrapper lacks are the wrapped model's)
     ```
     So `compile(d_optimizer=...)` sets the optimizers on the wrapper, where
     kmp.Model finds and wraps them, and the steps report their scalers.
@@ -297,9 +285,11 @@ def _wrapper_keeping(model_class):
             namespace[name] = inspect.getattr_static(_WrappedModel, name)
         except AttributeError:
             pass
-    for name in _STEPS_UNDER_POLICY:
+    for name in _TRAINING_METHODS[1:]:
         if name in own:
-            namespace[name] = _under_policy(getattr(model_class, name))
+            # In the new class's own namespace, so that kmp.Model's
+            # __init_subclass__ makes its train_step report the scalers.
+            namespace[name] = getattr(model_class, name)
     wrapper_class = type(model_class.__name__, (model_class, _WrappedModel), namespace)
     # Saved as a WrappedModel (whose from_config makes this class again from
     # the wrapped model's), and loaded as one: registering this class took
@@ -344,7 +334,11 @@ def _as_kmp_model(clone):
         except (AttributeError, ValueError):
             inputs = None
         if inputs and len(inputs) == 1 and len(outputs) == 1:
-            return model_module.Model(inputs[0], outputs[0], name=clone.name)
+            converted = model_module.Model(inputs[0], outputs[0], name=clone.name)
+            # `layers` as the Sequential lists them (no input layer), so
+            # `model.layers[0]` is the same layer after converting.
+            object.__setattr__(converted, "_kmp_sequential_layers", True)
+            return converted
     return _WrappedModel(clone)
 
 
@@ -385,26 +379,30 @@ def convert(model, policy=None, keep_float32=None, compile=True):
     if the config does not rebuild it faithfully (no get_config(), a custom
     layer Keras cannot locate, weights the config does not describe, as
     with LoRA enabled):
-        WRAP IT: a kmp.Model whose call runs the original with its layers
-        switched to `policy` for the call. The wrapper shares the original's
-        weights (training one trains the other); kmp warns.
+        WRAP IT: a kmp.Model whose call runs the original, whose layers are
+        set to `policy` once, when it is wrapped. The wrapper shares the
+        original's layers and weights (training one trains the other, and
+        the original computes under `policy` too); kmp warns.
     a model whose class overrides compile, train_step, test_step,
     predict_step, compute_loss or compute_metrics (a GAN, a VAE):
         the wrapper is also of that class and keeps those methods: the
         model compiles with its own arguments, every optimizer it sets on
-        itself gets loss scaling as in a kmp.Model, and each step runs with
-        the layers under `policy`; attributes the wrapper lacks (a GAN's
-        `generator`) are the wrapped model's
+        itself gets loss scaling as in a kmp.Model; attributes the wrapper
+        lacks (a GAN's `generator`) are the wrapped model's
     compiled model (unless compile=False):
         compile the result with the same loss, metrics and optimizer
         configuration: a fresh optimizer, wrapped for loss scaling when the
         result computes in float16 (a model that overrides compile is left
         for you to compile; kmp warns)
     ```
+    The result's precision (float32 layers, token ids) is settled on its
+    layers once, here (see `kmp/_precision.py`), not switched per call.
     The model passed in is never changed, unless it is wrapped: then the
-    result shares its layers and weights. A functional result or a wrapper
-    keeps its policy, `keep_float32` and loss scaling through a `.keras`
-    file (a `kmp.Model` subclass keeps what its own `get_config()` holds).
+    result shares its layers and weights, and so their policy. A built
+    model gives a built result whose `layers` lists what the model's
+    `layers` lists. A functional result or a wrapper keeps its policy,
+    `keep_float32` and loss scaling through a `.keras` file (a `kmp.Model`
+    subclass keeps what its own `get_config()` holds).
 
     Args:
         model: A `keras.Model`, built or not: functional, `Sequential`,
@@ -465,6 +463,7 @@ def convert(model, policy=None, keep_float32=None, compile=True):
         converted = _converted(model, source, target.name)
     # object.__setattr__: Keras would track the rules as state.
     object.__setattr__(converted, "_kmp_keep_float32", rules)
+    _precision.settle(converted, rules)
     if compile and getattr(model, "compiled", False):
         if "compile" in _own_training_methods(model):
             warnings.warn(
@@ -492,8 +491,10 @@ def _converted(model, source, target):
         warnings.warn(
             f"kmp.convert could not rebuild {model.name!r} faithfully from "
             f"its config ({reason}); "
-            "the result wraps it and shares its weights, so training the "
-            "result trains the original. For a copy instead, give each custom "
+            "the result wraps it and shares its weights and layers, so "
+            "training the result trains the original, and the original's "
+            f"layers compute under {target} from now on. For a copy instead, "
+            "give each custom "
             "layer and model a get_config() that describes it fully and "
             "register its class (@keras.saving.register_keras_serializable()).",
             stacklevel=3,
@@ -526,8 +527,8 @@ def _reasons(model):
     plan = {}
     if isinstance(model, model_module.Model):
         plan = {
-            id(layer): (role, reason)
-            for layer, role, reason in policy_module._float32_plan(model, rules)
+            id(layer): (role, reason, hands_on)
+            for layer, role, reason, hands_on in policy_module._float32_plan(model, rules)
         }
     return plan
 
@@ -571,9 +572,9 @@ def summary(model, print_fn=None):
         compute_dtype = keras.backend.standardize_dtype(layer.compute_dtype)
         policy_name = getattr(layer.dtype_policy, "name", str(layer.dtype_policy))
         if id(layer) in plan:
-            role, reason = plan[id(layer)]
+            role, reason, hands_on = plan[id(layer)]
             if role == "island":
-                reason += f"; outputs cast back to {compute_dtype}"
+                reason += f"; outputs cast back to {hands_on}"
             compute_dtype = "float32"
         elif isinstance(layer, keras.layers.InputLayer):
             compute_dtype = keras.backend.standardize_dtype(layer.output.dtype)

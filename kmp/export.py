@@ -13,6 +13,9 @@ for each layer (the model itself included, input layers excluded):
     computes in float32 under a 16-bit model      -> left in float32 (pinned)
     otherwise                                     -> the new policy
 ```
+A layer a `kmp.Model` settled in float32 (kmp's float32 layers, `keep_float32`)
+stays in float32 and hands the new compute dtype on (a plain float32 policy
+under `"float32"`).
 """
 
 import contextlib
@@ -37,6 +40,14 @@ def _inference_layer_policy(layer, model_is_16_bit, policy_name):
     current = layer.dtype_policy
     if isinstance(layer, keras.layers.InputLayer):
         return None
+    if isinstance(current, policy_module._Float32Policy):
+        compute = keras.DTypePolicy(policy_name).compute_dtype
+        if compute == "float32":
+            return keras.DTypePolicy("float32")  # nothing to hand on
+        return policy_module._Float32Policy(
+            hands_on=compute if current.hands_on is not None else None,
+            reason=current.reason,
+        )
     if current.quantization_mode is not None:
         # The quantized kernels are tied to the policy they were built for.
         return None
@@ -78,35 +89,18 @@ def _inference_policies(model, policy_name):
             new_policy = policy_name
         else:
             new_policy = _inference_layer_policy(layer, model_is_16_bit, policy_name)
-        if new_policy is not None and new_policy != layer.dtype_policy.name:
+        settled = isinstance(layer.dtype_policy, policy_module._Float32Policy)
+        if new_policy is not None and (settled or new_policy != layer.dtype_policy.name):
             changed[layer] = new_policy
     return changed
 
 
-def _convert_wrappers(model):
-    """The models in `model` that `kmp.convert` wrapped: each switches the
-    wrapped layers to its policy at every call, unless that is `None`."""
-    return [
-        layer
-        for layer in model._flatten_layers(include_self=True, recursive=True)
-        if getattr(layer, "_kmp_wrapped_policy", None) is not None
-    ]
-
-
 @contextlib.contextmanager
 def _inference_layers(model, policy_name):
-    """`model`'s layers under `policy_name` by the module's rule, for the
-    duration; a wrapper of `kmp.convert` leaves them so while it runs."""
-    wrappers = _convert_wrappers(model) if policy_name is not None else []
-    policies = [wrapper._kmp_wrapped_policy for wrapper in wrappers]
-    try:
-        for wrapper in wrappers:
-            wrapper._kmp_wrapped_policy = None
-        with policy_module._layer_policies(_inference_policies(model, policy_name)):
-            yield
-    finally:
-        for wrapper, policy in zip(wrappers, policies):
-            wrapper._kmp_wrapped_policy = policy
+    """`model`'s layers under `policy_name` by the module's rule, while the
+    export traces it; the trained policies come back after."""
+    with policy_module._layer_policies(_inference_policies(model, policy_name)):
+        yield
 
 
 def export(
@@ -277,8 +271,6 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
         )
     for layer, new_policy in _inference_policies(model, policy_name).items():
         layer.dtype_policy = new_policy
-    for wrapper in _convert_wrappers(model):
-        wrapper._kmp_wrapped_policy = None  # its layers follow `policy` now
     if compile:
         _add_loss_scaling_if_needed(model)
     return model

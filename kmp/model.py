@@ -1,10 +1,12 @@
 """kmp.Model: a keras.Model whose training applies the precision policy."""
 
+import functools
 import numbers
 
 import keras
 
 from kmp import _keras_internals
+from kmp import _precision
 from kmp import _train_step
 from kmp import distribute as distribute_module
 from kmp import export as export_module
@@ -74,20 +76,28 @@ def _check_overflow_retries(overflow_retries):
         )
 
 
-def _inject_functional(cls):
-    """Puts `FunctionalModel` in place of `Model` in `cls`'s bases.
+@functools.cache
+def _functional_class(cls):
+    """The functional class for instances of `cls`, a subclass of kmp.Model
+    whose `__init__` calls `super().__init__(inputs, outputs)`.
 
-    Keras does the same with `Functional` for `keras.Model` subclasses that
-    call `super().__init__(inputs, outputs)`, but it would rewrite
-    `kmp.Model`'s own bases, turning every later subclassed model into a
-    broken functional one.
+    Keras rewrites such a `keras.Model` subclass's `__bases__` to put
+    `Functional` in them; kmp changes no class it does not own: it makes one
+    of its own instead, `cls` and `FunctionalModel` both, with `cls`'s name,
+    module and registered name (so a `.keras` file names it as `cls`).
     """
-    if cls is Model:
-        return FunctionalModel
-    if cls is object or not issubclass(cls, Model) or issubclass(cls, _keras_internals.Functional):
+    if issubclass(cls, _keras_internals.Functional):
         return cls
-    cls.__bases__ = tuple(_inject_functional(base) for base in cls.__bases__)
-    return cls
+    functional = type(
+        cls.__name__,
+        (cls, FunctionalModel),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
+    registered = keras.saving.get_registered_name(cls)
+    if registered != cls.__name__:  # `cls` is registered: so is its functional twin
+        package, _, name = registered.rpartition(">")
+        keras.saving.register_keras_serializable(package, name)(functional)
+    return functional
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -101,9 +111,11 @@ class Model(keras.Model):
       with float32 variables;
     - `UnitNormalization`, `Normalization` and the layers named with
       `keep_float32` (see `kmp.set_policy`, `kmp.convert`) compute in float32
-      and hand the compute dtype on; layers are never changed outside the
-      model's own calls, so wrapping another model's layers leaves it as it
-      was;
+      and hand the compute dtype on. This is settled once, on the model's
+      own layers, at its first call (or `kmp.convert`): their dtype policies
+      say so from then on, for every thread and every caller, so a
+      `keras.Model` that shares those layers computes them as this model
+      does, as it shares their weights;
     - outputs are float32, so losses, metrics and exported signatures are
       float32;
     - `compile(loss_scale="auto")` wraps the optimizer in a
@@ -131,26 +143,31 @@ class Model(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is Model and _keras_internals.functional_init_arguments(args, kwargs):
-            cls = FunctionalModel
+        if _keras_internals.functional_init_arguments(args, kwargs):
+            cls = FunctionalModel if cls is Model else _functional_class(cls)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
         if _keras_internals.functional_init_arguments(args, kwargs):
+            if not isinstance(self, _keras_internals.Functional):
+                # A subclass whose own __init__ makes the graph (`__new__`
+                # saw no inputs): this new instance becomes one of kmp's
+                # functional class for it. Keras would rewrite the user's
+                # class's bases instead, for every instance to come.
+                object.__setattr__(self, "__class__", _functional_class(type(self)))
             # Never through keras.Model.__init__, which rewrites class bases
-            # up to keras.Model (see `_inject_functional`).
-            _inject_functional(type(self))
+            # up to keras.Model.
             _keras_internals.Trainer.__init__(self)
             _keras_internals.Functional.__init__(self, *args, **kwargs)
         else:
             super().__init__(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        # Float32 layers are switched for the call only (and fit()'s trace of
-        # it): layers this model shares with another model stay as they are.
-        with policy_module._float32_islands(self, getattr(self, "_kmp_keep_float32", None)):
-            outputs = super().__call__(*args, **kwargs)
-        return _to_float32(outputs)
+        # Precision is settled on the first call (fit's symbolic build is
+        # one), once: float32 layers, cast-backs and token ids are the
+        # layers' own policies from then on (see kmp/_precision.py).
+        _precision.settle_once(self)
+        return _to_float32(super().__call__(*args, **kwargs))
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries=0, **kwargs):
         """Configures the model for training, with loss scaling.
@@ -372,6 +389,8 @@ def _restore_keep_float32(model, entries):
         object.__setattr__(
             model, "_kmp_keep_float32", policy_module._Float32Rules.from_config(entries)
         )
+        if getattr(model, "_kmp_settled", False):
+            _precision.settle(model, model._kmp_keep_float32)
     return model
 
 
@@ -380,12 +399,25 @@ class FunctionalModel(Model, _keras_internals.Functional):
     """The class of `kmp.Model(inputs, outputs)`: a functional kmp.Model.
 
     Its config carries the layers kmp keeps in float32 (`keep_float32` of
-    `kmp.convert`) and the model's own policy, so a `.keras` round trip keeps
-    them.
+    `kmp.convert`), the model's own policy and, for one `kmp.convert` made
+    from a `Sequential`, that `layers` lists them as the Sequential did (no
+    input layer), so a `.keras` round trip keeps them.
     """
 
+    @property
+    def layers(self):
+        layers = super().layers
+        if getattr(self, "_kmp_sequential_layers", False):
+            # Converted from a Sequential: listed as the Sequential lists them.
+            return [layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
+        return layers
+
     def get_config(self):
-        config = _with_keep_float32(super().get_config(), self)
+        config = _with_keep_float32(
+            policy_module._unsettled_config(super().get_config()), self
+        )
+        if getattr(self, "_kmp_sequential_layers", False):
+            config["sequential_layers"] = True
         if "layers" in config:  # a functional config, which from_config below reads
             # Keras leaves it out: a loaded functional model would take the
             # global policy of the moment, whatever it was saved with.
@@ -397,7 +429,10 @@ class FunctionalModel(Model, _keras_internals.Functional):
         config = dict(config)
         entries = config.pop("keep_float32", None)
         dtype = config.pop("dtype", None)
+        sequential_layers = config.pop("sequential_layers", False)
         model = super().from_config(config, custom_objects=custom_objects)
+        if sequential_layers:
+            object.__setattr__(model, "_kmp_sequential_layers", True)
         if dtype is not None:
             model.dtype_policy = keras.dtype_policies.deserialize(dtype)
         return _restore_keep_float32(model, entries)

@@ -5,8 +5,8 @@ one sets Keras' (so every layer created afterwards picks it up); reading one
 reads Keras' (so a policy set through `keras.config.set_dtype_policy` is seen
 too). kmp adds three things Keras does not have: `"auto"`, which picks the
 fastest safe policy for the hardware; float32 "islands", layers that compute
-in float32 inside a `kmp.Model` and hand the compute dtype on (see
-`_float32_islands`); and a `loss_scaling` flag that `kmp.Model.compile` reads.
+in float32 inside a `kmp.Model` and hand the compute dtype on (settled
+when the model is built, see `kmp/_precision.py`); and a `loss_scaling` flag that `kmp.Model.compile` reads.
 """
 
 import contextlib
@@ -175,15 +175,20 @@ def set_policy(name, keep_float32=None):
     `keep_float32` adds layers to those that compute in float32 inside every
     `kmp.Model` (`UnitNormalization` and `Normalization` always do): such a
     layer computes in float32 and hands the compute dtype on, so code around
-    it sees no dtype change. Names can only be checked against a model:
-    `kmp.convert` raises for a name no layer of its model has.
+    it sees no dtype change. It is read when a model settles its precision
+    (its first call, or `kmp.convert`): a model called before keeps what it
+    settled. Names can only be checked against a model: `kmp.convert` raises
+    for a name no layer of its model has.
 
     Args:
         name: String or `kmp.Policy`. One of `"float32"`, `"mixed_float16"`,
             `"mixed_bfloat16"` or `"auto"`.
         keep_float32: Optional list of layer classes, layer names or name
             patterns (`"re:.*attention.*"`, matched in full against a layer's
-            name and path). Replaces the list set by the previous call.
+            name and path, up to 256 characters). A pattern must match in
+            bounded time: no repeat or alternation inside a repeat
+            (`(a+)+`, `(a|aa)*`), no backreference, at most 3 repeats and
+            200 characters. Replaces the list set by the previous call.
             Defaults to `None` (none beyond kmp's own).
 
     Returns:
@@ -191,8 +196,8 @@ def set_policy(name, keep_float32=None):
 
     Raises:
         ValueError: if `name` is not a valid policy name, or a pattern of
-            `keep_float32` is not a valid regular expression. Nothing is
-            changed.
+            `keep_float32` is not a valid regular expression or could match
+            slowly. Nothing is changed.
         TypeError: if an entry of `keep_float32` is neither a string nor a
             layer class. Nothing is changed.
 
@@ -415,6 +420,86 @@ def _resolve_auto():
     return Policy(name, reason=f"auto: {reason}")
 
 
+# What a `keep_float32` pattern may be, so that matching it cannot stall (a
+# `.keras` file carries its model's patterns: loading one must not hang on a
+# pattern like `re:(a+)+$`). Python's backtracking matcher is exponential in
+# nested repeats (and alternations under a repeat) and polynomial, of degree
+# their number, in repeats side by side: three `.*` against 256 characters
+# take milliseconds, four against 512 take seconds. So: no repeat or
+# alternation inside a repeat, no backreference, at most three repeats of
+# more than one character, and names up to 256 characters.
+_LONGEST_PATTERN = 200
+_MOST_REPEATS = 3
+_LONGEST_MATCHED_NAME = 256
+
+
+def _regex_parser():
+    try:
+        from re import _parser  # Python >= 3.11
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as _parser
+    return _parser
+
+
+def _pattern_problem(parsed, parser, inside_repeat=False, counts=None):
+    """Why a parsed pattern could match slowly, or `None`; counts its repeats."""
+    repeats = {
+        getattr(parser, name)
+        for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+        if hasattr(parser, name)
+    }
+    references = {
+        getattr(parser, name)
+        for name in ("GROUPREF", "GROUPREF_EXISTS", "GROUPREF_IGNORE", "GROUPREF_LOC_IGNORE",
+                     "GROUPREF_UNI_IGNORE")
+        if hasattr(parser, name)
+    }
+    counts = [0] if counts is None else counts
+    for op, argument in parsed:
+        if op in references:
+            return "a backreference"
+        if op == parser.BRANCH and inside_repeat:
+            return "an alternation inside a repeat, e.g. (a|aa)*"
+        if op in repeats:
+            low, high, subpattern = argument
+            if high > 1:
+                if inside_repeat:
+                    return "a repeat inside a repeat, e.g. (a+)+"
+                counts[0] += 1
+            problem = _pattern_problem(subpattern, parser, inside_repeat or high > 1, counts)
+            if problem:
+                return problem
+            continue
+        for item in argument if isinstance(argument, (tuple, list)) else (argument,):
+            for part in item if isinstance(item, list) else (item,):
+                if isinstance(part, parser.SubPattern):
+                    problem = _pattern_problem(part, parser, inside_repeat, counts)
+                    if problem:
+                        return problem
+    if counts[0] > _MOST_REPEATS:
+        return f"{counts[0]} repeats (at most {_MOST_REPEATS})"
+    return None
+
+
+def _check_pattern_is_bounded(entry, argument):
+    """Raises `ValueError` for a `re:` entry whose matching could stall."""
+    pattern = entry[3:]
+    if len(pattern) > _LONGEST_PATTERN:
+        problem = f"{len(pattern)} characters (at most {_LONGEST_PATTERN})"
+    else:
+        parser = _regex_parser()
+        problem = _pattern_problem(parser.parse(pattern), parser)
+    if problem:
+        shown = entry if len(entry) <= 80 else entry[:77] + "..."
+        raise ValueError(
+            f"Each `{argument}` pattern must match in bounded time: no "
+            "repeat or alternation inside a repeat, no backreference, at most "
+            f"{_MOST_REPEATS} repeats, at most {_LONGEST_PATTERN} characters. "
+            f"This one has {problem}. Name the layers, or write a simpler "
+            f"pattern. Received: {argument} entry {shown!r}"
+        )
+
+
 class _Float32Rules:
     """`keep_float32` entries, parsed: layer classes, exact names, patterns."""
 
@@ -443,13 +528,15 @@ class _Float32Rules:
                 classes.append(entry)
             elif isinstance(entry, str) and entry.startswith("re:"):
                 try:
-                    patterns.append(re.compile(entry[3:]))
+                    compiled = re.compile(entry[3:])
                 except re.error as error:
                     raise ValueError(
                         f"Each `{argument}` pattern must be a valid regular "
                         f"expression after 're:' ({error}). Received: "
                         f"{argument} entry {entry!r}"
                     ) from None
+                _check_pattern_is_bounded(entry, argument)
+                patterns.append(compiled)
             elif isinstance(entry, str) and entry:
                 names.append(entry)
             else:
@@ -509,8 +596,11 @@ class _Float32Rules:
         for name in self.names:
             if name in labels:
                 return repr(name)
+        # Bounded: a pattern passed `_check_pattern_is_bounded`, and a label
+        # longer than _LONGEST_MATCHED_NAME is never searched.
+        searchable = [label for label in labels if len(label) <= _LONGEST_MATCHED_NAME]
         for pattern in self.patterns:
-            if any(pattern.fullmatch(label) for label in labels):
+            if any(pattern.fullmatch(label) for label in searchable):
                 return repr("re:" + pattern.pattern)
         return None
 
@@ -547,16 +637,84 @@ def _can_change_policy(layer):
     )
 
 
+@keras.saving.register_keras_serializable(package="kmp")
+class _Float32Policy(keras.DTypePolicy):
+    """The policy kmp gives a layer it computes in float32 inside a 16-bit model.
+
+    Computes and stores in float32, exactly as `keras.DTypePolicy("float32")`,
+    and remembers why and which dtype the layer hands on: so `kmp.summary`,
+    a second settling (after `kmp.convert` or loading) and a `.keras` round
+    trip all see that kmp chose it, and which layers cast their outputs back.
+
+    Args:
+        name: String. Always `"float32"` (taken for Keras' config format).
+        hands_on: Optional string. The 16-bit dtype the layer's outputs are
+            cast back to (an island), or `None` (a layer inside an island,
+            whose outputs stay inside it).
+        reason: Optional string. Why the layer computes in float32.
+        was: Optional string. The name of the policy it had before
+            (`"mixed_float16"`): what a saved config records
+            (`_unsettled_config`), so a loaded model settles again from its
+            rules.
+    """
+
+    def __init__(self, name="float32", hands_on=None, reason=None, was=None):
+        if name != "float32":
+            raise ValueError(
+                "kmp's float32 layer policy computes in float32 only. "
+                f"Received: name={name!r}"
+            )
+        super().__init__("float32")
+        self._hands_on = hands_on
+        self._reason = reason
+        self._was = was
+
+    hands_on = property(lambda self: self._hands_on)
+    reason = property(lambda self: self._reason)
+    was = property(lambda self: self._was)
+
+    def get_config(self):
+        return {
+            "name": "float32",
+            "hands_on": self._hands_on,
+            "reason": self._reason,
+            "was": self._was,
+        }
+
+
+def _unsettled_config(config):
+    """`config` (a model's) with each layer kmp settled in float32 back on the
+    policy it had (`_Float32Policy.was`).
+
+    Keras' `Layer.from_config` keeps only a policy's name, so a saved
+    `_Float32Policy` would load as a plain float32 layer that no rule
+    matches and that casts nothing back; saved as it was, the loaded model
+    settles again from its `keep_float32` rules and kmp's list.
+    """
+    if isinstance(config, list):
+        return [_unsettled_config(item) for item in config]
+    if not isinstance(config, dict):
+        return config
+    if config.get("class_name") == "_Float32Policy":
+        was = config.get("config", {}).get("was")
+        if was:
+            return keras.dtype_policies.serialize(keras.DTypePolicy(was))
+    return {key: _unsettled_config(value) for key, value in config.items()}
+
+
 def _float32_plan(model, rules=None):
     """Which layers of `model` compute in float32, and why.
 
     A layer matched by kmp's list, the global `keep_float32` or `rules`, and
     computing in 16 bits, becomes an island: it and every layer inside it
     compute in float32, and its outputs are cast back to its compute dtype.
+    A layer kmp settled in float32 already (a `_Float32Policy`) keeps its
+    role, so planning a settled model again gives the same plan.
 
     Returns:
-        List of `(layer, role, reason)`, `role` being `"island"` (casts its
-        outputs back) or `"inside"` (a sublayer of an island).
+        List of `(layer, role, reason, hands_on)`, `role` being `"island"`
+        (hands `hands_on` on) or `"inside"` (a sublayer of an island,
+        `hands_on` `None`).
     """
     all_rules = _builtin_rules() + _global_keep_float32 + rules
     plan, seen = [], set()
@@ -566,14 +724,19 @@ def _float32_plan(model, rules=None):
             if id(layer) in seen:
                 continue
             seen.add(id(layer))
+            settled = layer.dtype_policy if isinstance(layer.dtype_policy, _Float32Policy) else None
             sixteen_bit = (
                 keras.backend.standardize_dtype(layer.compute_dtype) in _16_BIT_DTYPES
                 and _can_change_policy(layer)
             )
             if inside is not None:
-                if sixteen_bit:
-                    plan.append((layer, "inside", f"inside float32 layer {inside!r}"))
+                if sixteen_bit or settled is not None:
+                    plan.append((layer, "inside", f"inside float32 layer {inside!r}", None))
                 visit(layer, inside)
+                continue
+            if settled is not None and settled.hands_on is not None:
+                plan.append((layer, "island", settled.reason, settled.hands_on))
+                visit(layer, _layer_label(layer))
                 continue
             entry = all_rules.match(layer)
             if entry is not None and sixteen_bit:
@@ -582,7 +745,8 @@ def _float32_plan(model, rules=None):
                     if isinstance(layer, KEEP_FLOAT32_CLASSES)
                     else "keep_float32"
                 )
-                plan.append((layer, "island", f"{source}: {entry}"))
+                hands_on = keras.backend.standardize_dtype(layer.compute_dtype)
+                plan.append((layer, "island", f"{source}: {entry}", hands_on))
                 visit(layer, _layer_label(layer))
             else:
                 visit(layer, None)
@@ -629,9 +793,10 @@ def _layer_policies(layers_to_policy):
     """Runs a block with layers switched to other dtype policies, then restores them.
 
     The one place kmp changes layers' policies for a while: `kmp.export`
-    (the inference precision), the model `kmp.convert` wraps (the target
-    policy) and `_float32_islands`. The previous policies come back in the
-    reverse order, also when the block raises or a switch fails halfway.
+    traces the model in its inference precision and puts the trained
+    policies back. A model's own precision is settled once instead (see
+    `kmp/_precision.py`). The previous policies come back in the reverse
+    order, also when the block raises or a switch fails halfway.
 
     Args:
         layers_to_policy: Dict from layer to the dtype policy (a name or a
@@ -655,81 +820,3 @@ def _layer_policies(layers_to_policy):
     finally:
         for layer, policy in reversed(previous):
             layer.dtype_policy = policy
-
-
-def _casting_back(call, dtype):
-    def call_in_float32(*args, **kwargs):
-        return _cast_floats(call(*args, **kwargs), dtype)
-
-    return call_in_float32
-
-
-_NO_INSTANCE_CALL = object()
-
-
-@contextlib.contextmanager
-def _wrapped_calls(layers_to_wrap):
-    """Runs a block with layers' `call`s wrapped, then restores them.
-
-    The one place kmp changes layers' `call` for a while: float32 islands
-    cast their outputs back (`_calls_cast_back`), embeddings take exact
-    token ids (`kmp/_token_ids.py`). Restored in the reverse order, also
-    when the block raises or a wrap fails halfway.
-
-    Args:
-        layers_to_wrap: Dict from layer to a function that takes the
-            layer's current `call` and returns the one to run in the block.
-    """
-    previous = []
-    try:
-        for layer, wrap in layers_to_wrap.items():
-            previous.append((layer, layer.__dict__.get("call", _NO_INSTANCE_CALL)))
-            # object.__setattr__: Keras would track the function.
-            object.__setattr__(layer, "call", wrap(layer.call))
-        yield
-    finally:
-        for layer, call in reversed(previous):
-            if call is _NO_INSTANCE_CALL:
-                layer.__dict__.pop("call", None)
-            else:
-                object.__setattr__(layer, "call", call)
-
-
-def _calls_cast_back(layers_to_dtype):
-    """Runs a block with each layer's outputs cast to the dtype given, then restores `call`."""
-    return _wrapped_calls(
-        {
-            layer: (lambda call, dtype=dtype: _casting_back(call, dtype))
-            for layer, dtype in layers_to_dtype.items()
-        }
-    )
-
-
-@contextlib.contextmanager
-def _float32_islands(model, rules=None):
-    """Runs a block with the float32 layers of `model` computing in float32.
-
-    Each island's policy becomes float32 (so Keras casts its inputs and
-    variables to float32) and its `call` casts floating outputs back to the
-    compute dtype it had: third-party code around it (a residual add inside
-    a keras-hub block) sees the dtype it would see without kmp. Everything
-    is restored on exit, so the layers are changed only while the model
-    runs (and while `fit` traces it): a model that shares layers with
-    `model` is never affected.
-
-    Token ids that reach an embedding as floats are kept exact for the same
-    block (`kmp/_token_ids.py`): a 16-bit cast would round ids above 2048
-    (float16) or 256 (bfloat16) to other ids.
-    """
-    # Imported here: kmp._token_ids reads this module's helpers.
-    from kmp import _token_ids
-
-    plan = _float32_plan(model, rules)
-    # Read before the switch: the dtype each island hands on.
-    islands = {layer: layer.compute_dtype for layer, role, _ in plan if role == "island"}
-    with _layer_policies({layer: "float32" for layer, _, _ in plan}):
-        with _calls_cast_back(islands):
-            # Planned after the switch: a layer inside an island computes
-            # in float32, which holds ids exactly up to 2**24.
-            with _token_ids.keep_exact(model):
-                yield

@@ -136,7 +136,8 @@ def test_converted_gan_compiles_with_its_own_arguments_and_trains_as_a_kmp_gan()
     # Its own step ran, with its layers under the policy, and kmp wrapped the
     # optimizers its own compile set.
     assert gan.generator.get_layer("generator_probe").seen[-1] == "float16"
-    assert gan.generator.layers[0].dtype_policy.name == "float32"  # restored after
+    # Set once, when it was wrapped (the warning says so), not per step.
+    assert gan.generator.layers[0].dtype_policy.name == "mixed_float16"
     for name in ("d_optimizer", "g_optimizer"):
         assert isinstance(getattr(converted, name), kmp.LossScaleOptimizer)
         assert isinstance(getattr(converted, name).inner_optimizer, keras.optimizers.SGD)
@@ -416,18 +417,20 @@ def test_a_functional_model_keras_cannot_rebuild_is_wrapped_with_a_warning():
 
 
 def test_a_wrapped_model_exports_and_loads_in_the_policy_asked_for(tmp_path):
-    # kmp.convert's wrapper switches the original's layers to its policy at
-    # every call; export and kmp.load_model set them to another policy, and
-    # the wrapper must leave them so (it used to serve float16 matmuls in a
-    # float32 export).
+    # kmp.convert's wrapper sets the original's layers to its policy once;
+    # export and kmp.load_model set them to another policy, and the wrapper
+    # must leave them so (it used to serve float16 matmuls in a float32
+    # export).
     inputs = keras.Input((8,), dtype="int32")
     x = TokenAndPositionEmbedding(8, 50, 4)(inputs)
     outputs = keras.layers.Dense(2)(keras.layers.Dense(6)(x))
     model = keras.Model(inputs, outputs, name="classifier")
+    tokens = np.arange(16).reshape(2, 8) % 50
+    float32_outputs = np.asarray(model(tokens))  # before the wrapper sets its policy
     with pytest.warns(UserWarning, match="could not rebuild"):
         converted = kmp.convert(model, "mixed_float16", compile=False)
     assert isinstance(converted, _WrappedModel)
-    tokens = np.arange(16).reshape(2, 8) % 50
+    assert converted.built  # built, as the model it wraps
     trained = np.asarray(converted(tokens))
     converted.export(tmp_path / "f32", inference_policy="float32", verbose=False)
     converted.export(tmp_path / "f16", verbose=False)
@@ -435,9 +438,9 @@ def test_a_wrapped_model_exports_and_loads_in_the_policy_asked_for(tmp_path):
     assert "float16" in graph_dtypes(tmp_path / "f16")
     loaded = tf.saved_model.load(str(tmp_path / "f32"))
     served = loaded.serve(tokens)
-    np.testing.assert_allclose(np.asarray(served), np.asarray(model(tokens)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(served), float32_outputs, rtol=1e-6, atol=1e-6)
     # After the export, the wrapper computes in float16 again.
-    assert not np.allclose(trained, np.asarray(model(tokens)), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(trained, float32_outputs, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(converted(tokens)), trained)
 
 

@@ -183,6 +183,42 @@ def test_subclassed_model_export(tmp_path):
     assert model.hidden.compute_dtype == "float16"
 
 
+def test_float32_layers_settled_in_the_model_follow_the_inference_policy(tmp_path):
+    # A UnitNormalization the model settled in float32, inside a nested model
+    # whose output meets the subclass's own `+`: it casts its outputs back to
+    # float16 while training, and to nothing in a float32 export.
+    kmp.set_policy("mixed_float16")
+    inner_inputs = keras.Input((8,))
+    norm = keras.layers.UnitNormalization()
+    inner = keras.Model(inner_inputs, norm(inner_inputs))
+
+    class Residual(kmp.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(8)
+            self.inner = inner
+            self.head = keras.layers.Dense(2)
+
+        def call(self, inputs):
+            hidden = self.hidden(inputs)
+            return self.head(self.inner(hidden) + hidden)
+
+    model = Residual()
+    x = _data()
+    predictions = model.predict(x, verbose=0)
+    assert isinstance(norm.dtype_policy, policy_module._Float32Policy)
+    assert norm.dtype_policy.hands_on == "float16"
+    model.export(tmp_path / "f32", verbose=False, inference_policy="float32")
+    assert "float16" not in graph_dtypes(tmp_path / "f32")
+    served = tf.saved_model.load(str(tmp_path / "f32"))
+    assert_close_to_float16_rounding(served.serve(x), predictions, roundings=AGAINST_FLOAT32)
+    model.export(tmp_path / "f16", verbose=False)
+    assert "float16" in graph_dtypes(tmp_path / "f16")
+    # The trained policies are back after each export.
+    assert norm.dtype_policy.hands_on == "float16"
+    np.testing.assert_array_equal(model.predict(x, verbose=0), predictions)
+
+
 def test_unknown_inference_policy_names_it_and_lists_the_valid_ones(tmp_path):
     kmp.set_policy("mixed_float16")
     model = _tiny_model()

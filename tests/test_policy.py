@@ -247,20 +247,47 @@ def test_layer_policies_restores_the_layers_switched_before_a_bad_policy():
     assert second.dtype_policy.name == "mixed_float16"
 
 
-def test_float32_islands_restore_policy_and_call_when_the_block_raises():
+def test_float32_layers_are_settled_once_at_the_first_call_not_switched_per_call():
     kmp.set_policy("mixed_float16")
-    inputs, outputs, _ = _unit_normalization_model()
-    model = keras.Model(inputs, outputs)
+    inputs, outputs, probe = _unit_normalization_model()
+    model = kmp.Model(inputs, outputs)
     norm = model.layers[1]
     assert isinstance(norm, keras.layers.UnitNormalization)
-    with pytest.raises(RuntimeError, match="boom"):
-        with policy_module._float32_islands(model):
-            assert norm.compute_dtype == "float32" and "call" in vars(norm)
-            result = norm(np.full((1, 64), 300.0, "float32"))
-            assert keras.backend.standardize_dtype(result.dtype) == "float16"
-            raise RuntimeError("boom")
-    assert norm.dtype_policy.name == "mixed_float16"
+    assert norm.compute_dtype == "float16"  # not settled before the first call
+    x = np.full((1, 64), 300.0, "float32")
+    first = model(x)
+    settled = norm.dtype_policy
+    assert isinstance(settled, policy_module._Float32Policy)
+    assert (settled.compute_dtype, settled.hands_on) == ("float32", "float16")
+    # The probe takes its input as it comes (as third-party code does), so
+    # the outputs are cast back to float16: by a call set once, at settling.
+    cast_back = vars(norm)["call"]
+    second = model(x)
+    assert norm.dtype_policy is settled and vars(norm)["call"] is cast_back
+    assert probe.seen[-1] == "float16"
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(first), 0.125, rtol=1e-3)
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(first), keras.ops.convert_to_numpy(second)
+    )
+    # The layer computes in float32 outside the model's calls too.
+    direct = norm(x)
+    assert keras.backend.standardize_dtype(direct.dtype) == "float16"
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(direct), 0.125, rtol=1e-3)
+
+
+def test_a_float32_layer_whose_consumers_cast_is_not_wrapped():
+    # A Dense after it casts its inputs itself: the policy is all kmp sets.
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((64,))
+    norm = keras.layers.UnitNormalization()
+    dense = keras.layers.Dense(1, kernel_initializer="ones")
+    model = kmp.Model(inputs, dense(norm(inputs)))
+    result = model(np.full((1, 64), 300.0, "float32"))
+    assert isinstance(norm.dtype_policy, policy_module._Float32Policy)
     assert "call" not in vars(norm)
+    assert dense.compute_dtype == "float16"
+    # 64 outputs of 1/8 summed: 8, where float16 norms would give 0.
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(result), 8.0, rtol=1e-2)
 
 
 _KERAS_FLOAT32_MATH_LAYERS = [
@@ -352,16 +379,34 @@ def test_normalization_computes_in_float32_and_hands_float16_on():
     assert probe.seen[-1] == "float16"
 
 
-def test_wrapping_leaves_the_layers_of_the_wrapped_model_unchanged():
+def test_a_model_sharing_a_kmp_models_layers_computes_them_as_settled():
+    # Precision belongs to the layers, as their weights do: settled once by
+    # the kmp.Model, it holds for every model that calls them, whichever ran
+    # last (before, kmp switched them per call and a shared layer's
+    # precision depended on who called it). So the keras.Model over the same
+    # layers gets the exact float32 UnitNormalization too, not float16 zeros.
     kmp.set_policy("mixed_float16")
     inputs, outputs, _ = _unit_normalization_model()
     original = keras.Model(inputs, outputs)
-    policies_before = [layer.dtype_policy.name for layer in original.layers]
+    x = np.full((2, 64), 300.0, "float32")
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(original(x)), 0.0)
     wrapped = kmp.Model(original.input, original.output)
-    wrapped(np.ones((2, 64), "float32"))
-    assert [layer.dtype_policy.name for layer in original.layers] == policies_before
-    assert all("call" not in vars(layer) for layer in original.layers)
-    assert original(np.ones((2, 64), "float32")).dtype == "float16"
+    wrapped(x)
+    assert [type(layer).__name__ for layer in original.layers][1:] == [
+        "UnitNormalization",
+        "DtypeProbe",
+    ]
+    assert [layer.dtype_policy.name for layer in original.layers][1:] == [
+        "float32",  # settled by `wrapped`
+        "mixed_float16",
+    ]
+    for _ in range(2):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(original(x)), 0.125, rtol=1e-3
+        )
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(wrapped(x)), 0.125, rtol=1e-3
+        )
 
 
 def test_float32_layers_in_subclassed_and_nested_models():
@@ -391,7 +436,10 @@ def test_float32_layers_in_subclassed_and_nested_models():
     result = net(np.ones((2, 4), "float32"))
     assert keras.backend.standardize_dtype(result.dtype) == "float32"
     assert seen[-1] == "bfloat16"
-    assert inner.layers[1].dtype_policy.name == "mixed_bfloat16"
+    # Settled on the layer itself (the nested model is net's), and its
+    # outputs cast back: `net.call` adds them to bfloat16 tensors.
+    assert isinstance(inner.layers[1].dtype_policy, policy_module._Float32Policy)
+    assert inner.layers[1].dtype_policy.hands_on == "bfloat16"
     assert net.norm.compute_dtype == "bfloat16"
     assert np.all(np.isfinite(keras.ops.convert_to_numpy(result)))
 
@@ -409,7 +457,8 @@ def test_set_policy_keep_float32_checks_its_entries_and_changes_nothing_on_error
     model = kmp.Model(inputs, probe(dense(inputs)))
     model(np.ones((1, 4), "float32"))
     assert probe.seen[-1] == "bfloat16"  # float32 inside, bfloat16 handed on
-    assert dense.dtype_policy.name == "mixed_bfloat16"
+    assert isinstance(dense.dtype_policy, kmp.policy._Float32Policy)
+    assert dense.dtype_policy.hands_on == "bfloat16"
 
 
 def test_policy_scope_restores_keep_float32():

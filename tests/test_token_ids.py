@@ -109,22 +109,30 @@ def test_classifier_with_float_ids_embeds_the_exact_rows(policy):
             )
 
 
-def test_training_steps_and_layer_state_are_restored():
+def test_token_ids_are_settled_once_and_kept_through_training():
     kmp.set_policy("mixed_float16")
     classifier = _classifier()
     model = kmp.Model(classifier.input, classifier.outputs[1])
     embedding = model.get_layer("embed")
-    policies = {layer: layer.dtype_policy for layer in (model, embedding)}
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        history = model.fit(IDS, np.array([0, 1]), epochs=1, verbose=0)
+        # The layer holding the embedding hands float32 ids on: its own
+        # policy, set once, with Keras' compute and variable dtypes.
+        settled = embedding.dtype_policy
+        assert isinstance(settled, _token_ids._ExactIdsPolicy)
+        assert (settled.compute_dtype, settled.variable_dtype) == ("float16", "float32")
         history = model.fit(IDS, np.array([0, 1]), epochs=2, verbose=0)
+        model.predict(IDS, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
-    for layer, policy in policies.items():
-        assert layer.dtype_policy is policy
+    assert embedding.dtype_policy is settled
     for layer in model._flatten_layers(include_self=True, recursive=True):
         assert "call" not in layer.__dict__
     assert embedding.autocast and not embedding.token_emb.autocast
+    # Outside the model too, the layer embeds exact rows.
+    expected = _rows(embedding, IDS, "float16")
+    assert np.array_equal(np.asarray(embedding(IDS)), expected)
 
 
 class Classifier(kmp.Model):

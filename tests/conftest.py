@@ -1,5 +1,5 @@
 """Test set-up: TensorFlow backend, two logical CPUs, GPU memory growth, the
-`gpu` marker, a clean policy and seed per test."""
+`gpu` and `slow` markers, a clean policy and seed per test."""
 
 import os
 
@@ -29,7 +29,42 @@ import pytest  # noqa: E402
 import kmp  # noqa: E402,F401
 
 
+# The slow tier: tests that start processes (real multi-worker clusters,
+# SIGKILL, the examples and benchmarks as a user runs them), train every
+# keras-hub model, or run every documentation example. `pytest -m "not slow"`
+# leaves them out; the README's test command and .ci/run run them too.
+# Listed here rather than decorated in each file: a whole file by its name, or
+# one test by "file::name" (every parametrization of it).
+SLOW = (
+    "test_benchmarks.py",
+    "test_compat.py",
+    "test_docs.py::test_every_python_block_runs",
+    "test_examples.py",
+    "test_cli.py::test_doctor_json_reports_versions_devices_auto_policy_and_speedups",
+    "test_cli.py::test_doctor_prints_a_readable_report",
+    "test_cli.py::test_missing_tensorflow_exits_3_with_a_message",
+    "test_cli.py::test_no_gpu_for_device_gpu_exits_4",
+    "test_distribute.py::test_multi_worker_fit_agrees_across_workers_and_with_one_worker",
+    "test_distribute.py::test_distributed_benchmark_runs",
+    "test_distribute.py::test_multi_worker_example_runs_two_identical_workers",
+    "test_export.py::test_saved_model_runs_without_kmp_and_converts_to_tflite",
+    "test_resume.py::test_sigkill_mid_save_then_mid_epoch_resumes_bit_identical",
+    "test_resume.py::test_keras_backup_killed_mid_save_resumes_from_the_last_complete_backup",
+    "test_resume.py::test_two_workers_sharing_one_backup_folder_resume_identical_after_a_kill",
+    "test_resume.py::test_two_workers_killed_between_their_saves_resume_from_the_same_backup",
+)
+
+
+def _is_slow(item):
+    file = item.path.name
+    name = f"{file}::{item.originalname}"
+    return file in SLOW or name in SLOW
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
     if GPUS:
         return
     skip = pytest.mark.skip(reason="needs a GPU: tf.config.list_physical_devices('GPU') is empty")

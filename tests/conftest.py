@@ -1,5 +1,5 @@
 """Test set-up: TensorFlow backend, two logical CPUs, GPU memory growth, the
-`gpu` marker, a clean policy and seed per test."""
+`gpu` and `slow` markers, a clean policy and seed per test."""
 
 import os
 
@@ -29,7 +29,55 @@ import pytest  # noqa: E402
 import kmp  # noqa: E402,F401
 
 
+# The slow tier: tests that start processes (real multi-worker clusters,
+# SIGKILL, the examples and benchmarks as a user runs them), train every
+# keras-hub model, or run every documentation example. `pytest -m "not slow"`
+# leaves them out; the README's test command and .ci/run run them too.
+# Listed here rather than decorated in each file: a whole file by its name, or
+# one test by "file::name" (every parametrization of it).
+SLOW = (
+    "test_benchmarks.py",
+    "test_compat.py",
+    "test_docs.py::test_every_python_block_runs",
+    "test_examples.py",
+    "test_cli.py::test_doctor_json_reports_versions_devices_auto_policy_and_speedups",
+    "test_cli.py::test_doctor_prints_a_readable_report",
+    "test_distribute.py::test_multi_worker_fit_agrees_across_workers_and_with_one_worker",
+    "test_distribute.py::test_distributed_benchmark_runs",
+    "test_distribute.py::test_multi_worker_example_runs_two_identical_workers",
+    "test_export.py::test_saved_model_runs_without_kmp_and_converts_to_tflite",
+    "test_resume.py::test_sigkill_mid_save_then_mid_epoch_resumes_bit_identical",
+    "test_resume.py::test_keras_backup_killed_mid_save_resumes_from_the_last_complete_backup",
+    "test_resume.py::test_two_workers_sharing_one_backup_folder_resume_identical_after_a_kill",
+    "test_resume.py::test_two_workers_killed_between_their_saves_resume_from_the_same_backup",
+    # Long equivalence runs (each over 10 s on 2 busy cores); a shorter test of
+    # the same module stays in the fast tier.
+    "test_accumulation.py::test_overflow_discards_the_whole_accumulated_step_once",
+    "test_custom_steps.py::test_gan_with_one_line_per_loss_matches_keras_own_scaler_recipe",
+    "test_custom_steps.py::test_progress_bar_shows_each_scaler_readably",
+    "test_devices.py::test_compiled_fit_with_several_steps_per_execution",
+    "test_distribute.py::test_jit_and_steps_per_execution_under_mirrored_strategy",
+    "test_distribute.py::test_jit_and_steps_per_execution_keep_skip_semantics",
+    "test_export.py::test_load_float32_file_under_float16_adds_loss_scaling_keeps_slots",
+    "test_resume.py::test_a_flipped_bit_in_a_backup_is_an_error_naming_the_file",
+    "test_resume.py::test_double_checkpoint_falls_back_to_the_previous_backup",
+    "test_resume.py::test_workers_stop_together_when_their_backups_disagree_or_one_fails",
+    "test_resume.py::test_the_chief_deletes_its_own_backups_never_a_worker_folder",
+    "test_train_function.py::test_fit_gives_what_keras_gives_for_every_input_kind",
+    "test_train_function.py::test_jit_compiled_steps_give_what_keras_gives",
+)
+
+
+def _is_slow(item):
+    file = item.path.name
+    name = f"{file}::{item.originalname}"
+    return file in SLOW or name in SLOW
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
     if GPUS:
         return
     skip = pytest.mark.skip(reason="needs a GPU: tf.config.list_physical_devices('GPU') is empty")
@@ -46,7 +94,10 @@ def _float32_policy_around_each_test():
     keras.utils.set_random_seed(0)
     yield
     kmp.set_policy("float32")
-    keras.utils.clear_session()
+    # Without the full garbage collection Keras runs by default: it took as
+    # long as the tests themselves (about half of the fast tier's time), and
+    # Python's own collector frees the same cycles later.
+    keras.utils.clear_session(free_memory=False)
 
 
 @pytest.fixture(scope="session")

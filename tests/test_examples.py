@@ -1,5 +1,6 @@
 import importlib.util
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -45,6 +46,50 @@ def _run_in_process(argv, capsys):
     return accuracy, capsys.readouterr().out
 
 
+_README = pathlib.Path(__file__).parents[1] / "README.md"
+
+
+def _readme_transcript():
+    """The lines of the quickstart's output the README shows: the first
+    unlabelled code block after it names `python examples/quickstart.py`."""
+    text = _README.read_text()
+    after = text.split("`python examples/quickstart.py` does the same", 1)[1]
+    block = after.split("\n```\n", 1)[1].split("\n```", 1)[0]
+    return [line for line in block.splitlines() if line != "..."]
+
+
+_NUMBER = r"[-+]?\d+(?:\.\d+)?(?:e[-+]\d+)?"
+# A number on its own, not the digits of a name such as float16 or avx512_bf16.
+_SEPARATE_NUMBER = r"(?<![\w.])" + _NUMBER + r"(?!\w)"
+
+
+def _line_pattern(line):
+    """A transcript line as a regular expression: its numbers may differ (a
+    run's accuracy and timings), "..." stands for anything (a path, an
+    elided part); every word must be there."""
+    pieces = [
+        _NUMBER.join(re.escape(text) for text in re.split(_SEPARATE_NUMBER, piece))
+        for piece in line.split("...")
+    ]
+    return re.compile(".*".join(pieces))
+
+
+def _check_readme_transcript(output):
+    lines = output.splitlines()
+    transcript = _readme_transcript()
+    # The README shows a CPU on which auto picks bfloat16; elsewhere only the
+    # lines that do not depend on the policy are compared.
+    if lines[0] != transcript[0]:
+        transcript = [line for line in transcript if line.startswith("test accuracy:")]
+    missing = [
+        line for line in transcript
+        if not any(_line_pattern(line).fullmatch(out) for out in lines)
+    ]
+    assert transcript and not missing, (
+        f"README.md shows quickstart lines its output lacks: {missing}\n{output[-3000:]}"
+    )
+
+
 @pytest.mark.parametrize(
     "policy, how", [("auto", "script"), ("mixed_float16", "in process")]
 )
@@ -54,6 +99,7 @@ def test_quickstart_trains_exports_and_reloads(policy, how, tmp_path, capsys):
             "--plot", str(plot)]
     if how == "script":
         accuracy, output = _run_as_a_script(argv, cwd=tmp_path)
+        _check_readme_transcript(output)
     else:
         accuracy, output = _run_in_process(argv, capsys)
     assert accuracy > 0.8

@@ -1,0 +1,218 @@
+"""The documentation is tested: every ```python block of README.md and
+docs/*.md runs, and every relative link resolves.
+
+A file's blocks run in order in one namespace (a guide builds on its earlier
+blocks), in a fresh Python process started in an empty temporary directory, on
+the CPU. `<!-- no-run: why -->` on the line just before a block leaves it out;
+the reason is required (a GPU, several workers, a network).
+"""
+
+import ast
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from _helpers import child_env
+
+_ROOT = pathlib.Path(__file__).parents[1]
+_DOCS = sorted([_ROOT / "README.md", *(_ROOT / "docs").glob("*.md")])
+_FENCE = re.compile(r"^```(\S*)\s*$")
+_NO_RUN = re.compile(r"^<!--\s*no-run(?::\s*(?P<why>.*?))?\s*-->\s*$")
+
+
+def _blocks(path):
+    """Yields (line number, language, code, skip reason or None) for each
+    fenced block of the markdown file."""
+    lines = path.read_text().splitlines()
+    index = 0
+    while index < len(lines):
+        match = _FENCE.match(lines[index])
+        if not match:
+            index += 1
+            continue
+        start = index
+        end = start + 1
+        while end < len(lines) and lines[end].rstrip() != "```":
+            end += 1
+        no_run = _NO_RUN.match(lines[start - 1].strip()) if start else None
+        why = None if no_run is None else (no_run.group("why") or "")
+        yield start + 1, match.group(1), "\n".join(lines[start + 1:end]), why
+        index = end + 1
+
+
+def _python_blocks(path):
+    return [block for block in _blocks(path) if block[1] == "python"]
+
+
+def _name(path):
+    return str(path.relative_to(_ROOT))
+
+
+# What each file's blocks run in: one namespace, each block compiled under its
+# file and line so a traceback points into the markdown.
+_RUNNER = textwrap.dedent(
+    """
+    import json, sys
+    blocks = json.load(open(sys.argv[1]))
+    namespace = {"__name__": "__main__"}
+    for block in blocks:
+        code = "\\n" * (block["line"]) + block["code"]
+        exec(compile(code, block["file"], "exec"), namespace)
+        print(f"--- ran {block['file']}:{block['line']}", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("path", [p for p in _DOCS if _python_blocks(p)], ids=_name)
+def test_every_python_block_runs(path, tmp_path):
+    blocks = [
+        {"file": str(path), "line": line, "code": code}
+        for line, _, code, why in _python_blocks(path)
+        if why is None
+    ]
+    if not blocks:
+        pytest.skip(f"every python block of {_name(path)} is marked no-run")
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    (tmp_path / "run_blocks.py").write_text(_RUNNER)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = child_env(gpu=False)
+    env["KERAS_BACKEND"] = "tensorflow"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "run_blocks.py"), str(tmp_path / "blocks.json")],
+        cwd=work, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, (
+        f"{_name(path)}: a python block failed\n"
+        + result.stdout[-3000:] + result.stderr[-5000:]
+    )
+    assert result.stdout.count("--- ran ") == len(blocks)
+
+
+def test_every_no_run_says_why():
+    missing = [
+        f"{_name(path)}:{line}"
+        for path in _DOCS
+        for line, _, _, why in _blocks(path)
+        if why == ""
+    ]
+    assert not missing, f"<!-- no-run --> without a reason (write <!-- no-run: why -->): {missing}"
+
+
+def test_no_run_is_the_exception():
+    counts = [(why is None) for path in _DOCS for _, _, _, why in _python_blocks(path)]
+    assert counts.count(True) >= 3 * counts.count(False), (
+        f"{counts.count(False)} of {len(counts)} python blocks are not run"
+    )
+
+
+def _slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation other than
+    hyphens and underscores dropped, spaces to hyphens."""
+    text = re.sub(r"`|\*\*|\*", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path):
+    anchors, seen = set(), {}
+    in_fence = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_fence = not in_fence
+            continue
+        match = re.match(r"^#{1,6}\s+(.*)$", line)
+        if match and not in_fence:
+            slug = _slug(match.group(1))
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def _links(path):
+    text = path.read_text()
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # code is not prose
+    text = re.sub(r"`[^`\n]*`", "", text)
+    for match in re.finditer(r"!?\[[^\]]*\]\(([^)\s]+)\)", text):
+        yield match.group(1)
+
+
+def test_slug_matches_github():
+    assert _slug("Which steps, and why: `LossScaleMonitor`") == "which-steps-and-why-lossscalemonitor"
+    assert _slug("Diagnosing an overflow: `kmp.diagnose`") == "diagnosing-an-overflow-kmpdiagnose"
+    assert _slug("An epoch's logs after a skip") == "an-epochs-logs-after-a-skip"
+
+
+@pytest.mark.parametrize("path", _DOCS, ids=_name)
+def test_every_relative_link_resolves(path):
+    broken = []
+    for target in _links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        destination = (path.parent / file_part).resolve() if file_part else path
+        if not destination.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and destination.suffix == ".md" and anchor not in _anchors(destination):
+            broken.append(f"{target}: no heading with the anchor #{anchor}")
+    assert not broken, f"{_name(path)}: " + "; ".join(broken)
+
+
+def test_the_slow_tier_names_tests_that_exist():
+    # tests/conftest.py marks tests slow by file and name: a renamed test
+    # would silently join the fast tier.
+    conftest = ast.parse((_ROOT / "tests" / "conftest.py").read_text())
+    (SLOW,) = [
+        ast.literal_eval(node.value) for node in conftest.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SLOW"
+    ]
+    missing = []
+    for entry in SLOW:
+        file, _, name = entry.partition("::")
+        source = _ROOT / "tests" / file
+        if not source.exists():
+            missing.append(entry)
+            continue
+        if name:
+            names = {
+                node.name for node in ast.walk(ast.parse(source.read_text()))
+                if isinstance(node, ast.FunctionDef)
+            }
+            if name not in names:
+                missing.append(entry)
+    assert not missing, f"tests/conftest.py SLOW names tests that do not exist: {missing}"
+
+
+def test_readme_is_a_front_page():
+    readme = (_ROOT / "README.md").read_text()
+    lines = readme.splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines"
+    # The set-up commands come first: the quickstart, then the whole suite.
+    assert lines[2:6] == [
+        "```bash",
+        'pip install -e ".[examples]" && python examples/quickstart.py',
+        'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile',
+        "```",
+    ]
+    # Nothing in it points outside the repository.
+    for path in _DOCS:
+        text = path.read_text()
+        assert "../shared" not in text, _name(path)
+        assert "issue reporter" not in text, _name(path)
+
+
+def test_every_guide_is_linked_from_the_readme():
+    readme = (_ROOT / "README.md").read_text()
+    unlinked = [
+        _name(path) for path in _DOCS
+        if path.name != "README.md" and f"({_name(path)}" not in readme
+    ]
+    assert not unlinked, f"guides the README does not link: {unlinked}"
+

@@ -5,8 +5,9 @@ release; when they all live in one module that says why, that module is the
 only one to mend. The scan is static (AST), so it cannot know an object's type.
 It works with names instead:
 
-- a *foreign* private name is one Keras or TensorFlow define (`def _x`,
-  `self._x = ...`, or an attribute of one of their public classes);
+- a *foreign* private name is one Keras or TensorFlow define or use on their
+  own objects (`def _x`, `self._x`, or an attribute of one of their public
+  classes);
 - kmp's own private names are `_kmp_*`, names only kmp defines, attributes of
   `self` in kmp classes that do not derive from Keras or TensorFlow, and
   attributes of kmp's own modules and classes;
@@ -55,11 +56,12 @@ TENSORFLOW_FUNCTION_ATTRIBUTES = {"_noinline", "_XlaMustCompile", "_implements",
 # Python's own API that starts with an underscore (namedtuple's methods).
 PYTHON_PRIVATE_API = {"_replace", "_asdict", "_make", "_fields", "_field_defaults"}
 
-# Where Keras and TensorFlow define a private name: a method or function, an
-# attribute set on `self`/`cls` (annotated or not), or `setattr(self, "_x", ...)`.
+# Where Keras and TensorFlow define or use a private name: a method or
+# function, any attribute of `self`/`cls` (read or set, so that attributes set
+# by tuple assignment or in a loop count too), or `setattr(self, "_x", ...)`.
 _DEFINITION = re.compile(
     r"\bdef\s+(_[A-Za-z0-9]\w*)"
-    r"|\b(?:self|cls)\.(_[A-Za-z0-9]\w*)\s*(?::[^=\n]+)?=(?!=)"
+    r"|\b(?:self|cls)\.(_[A-Za-z0-9]\w*)"
     r"|\bsetattr\(\s*(?:self|cls)\s*,\s*[\"'](_[A-Za-z0-9]\w*)[\"']"
 )
 

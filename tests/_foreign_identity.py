@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import tempfile
-import types
 
 os.environ["KERAS_BACKEND"] = "tensorflow"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -51,16 +50,17 @@ def _is_foreign_module(name):
 
 
 def _tracked(value):
-    """Module attributes whose identity is code: functions, classes, methods.
-    (Module-level data - caches, counters, the current graph - changes under
-    any use; a module is tracked by its own dict.)"""
-    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
-                              classmethod, staticmethod, property)) or callable(value) and not inspect.ismodule(value)
+    """Module attributes that are code: functions, classes, methods, anything
+    callable. (Module-level data - caches, counters, the current graph -
+    changes under any use; a submodule is tracked by its own dict.)"""
+    return callable(value) or isinstance(value, (classmethod, staticmethod, property))
 
 
 def snapshot():
-    """{key: {name: id(value)}}: one entry per foreign class (its own dict and
-    `__bases__`) and per foreign module (its functions and classes)."""
+    """{key: {name: value}}: one entry per foreign class (its own dict and
+    `__bases__`) and per foreign module (its functions and classes). It holds
+    the values themselves, so that a replaced one cannot free its id for the
+    replacement."""
     modules = [(name, module) for name, module in list(sys.modules.items())
                if module is not None and _is_foreign_module(name)]
     out = {}
@@ -75,7 +75,7 @@ def snapshot():
             if inspect.ismodule(value) or type(value).__name__ in ("LazyLoader", "KerasLazyLoader"):
                 continue
             if _tracked(value):
-                entries[attribute] = id(value)
+                entries[attribute] = value
             if inspect.isclass(value):
                 for klass in value.__mro__:
                     if _is_foreign_module(getattr(klass, "__module__", "") or ""):
@@ -86,10 +86,13 @@ def snapshot():
         if inspect.isclass(value) and issubclass(value, keras.Model):
             classes[id(value)] = value
     for klass in classes.values():
-        entries = {name: id(value) for name, value in list(vars(klass).items()) if name not in LAZY}
-        entries["__bases__"] = hash(tuple(map(id, klass.__bases__)))
+        entries = {name: value for name, value in list(vars(klass).items()) if name not in LAZY}
+        entries["__bases__"] = klass.__bases__  # the same tuple until someone assigns new bases
         out[f"class {klass.__module__}.{klass.__qualname__} at {id(klass):#x}"] = entries
     return out
+
+
+_MISSING = object()
 
 
 def changed(before, after):
@@ -99,7 +102,8 @@ def changed(before, after):
     for key in sorted(set(before) & set(after)):
         old, new = before[key], after[key]
         label = key.rsplit(" at ", 1)[0]
-        found += [f"{label}: {name}" for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+        found += [f"{label}: {name}" for name in sorted(set(old) | set(new))
+                  if old.get(name, _MISSING) is not new.get(name, _MISSING)]
     return found
 
 

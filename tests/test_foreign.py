@@ -66,15 +66,21 @@ def test_objects_kmp_was_not_given_to_keep_carry_no_kmp_attribute(report):
 # The snapshot itself, in this process.
 
 
-def test_changed_names_a_replaced_method_and_an_added_module_function(monkeypatch):
+def test_changed_names_a_replaced_method_an_added_attribute_and_new_bases(monkeypatch):
     before = _foreign_identity.snapshot()
     monkeypatch.setattr(keras.layers.Dense, "call", lambda self, inputs: inputs)
     monkeypatch.setattr(keras.layers.Layer, "_planted", 1, raising=False)
     monkeypatch.setattr(sys.modules["keras.src.ops.numpy"], "planted", lambda x: x, raising=False)
-    after = _foreign_identity.snapshot()
+    bases = keras.layers.Dropout.__bases__
+    keras.layers.Dropout.__bases__ = tuple(list(bases))  # the same bases, assigned anew
+    try:
+        after = _foreign_identity.snapshot()
+    finally:
+        keras.layers.Dropout.__bases__ = bases
     assert _foreign_identity.changed(before, after) == [
         "class keras.src.layers.core.dense.Dense: call",
         "class keras.src.layers.layer.Layer: _planted",
+        "class keras.src.layers.regularization.dropout.Dropout: __bases__",
         "module keras.src.ops.numpy: planted",
     ]
 

@@ -31,12 +31,14 @@ present from Keras 3.10 to 3.15):
 | `BackupAndRestore._current_epoch`, `_last_batch_seen` | `checkpoint.py` | the epoch and batch a backup records, which Keras' `_should_save_on_batch` keeps too; reset at each `on_train_begin` |
 | `ModelCheckpoint._save_model` (overridden) | `checkpoint.py` | the save Keras' callback calls for every checkpoint: kmp's writes atomically |
 | `Model._initial_epoch` | `checkpoint.py` | the epoch `fit` resumes from, set as Keras' own `BackupAndRestore` sets it |
+| `Tensor._keras_logits` (`keep_logits`) | `policy.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
 
 One TensorFlow function attribute: `_noinline` (`tf.function(experimental_attributes=...)`,
 `distribute.py`), so that a train step starts only once its batch has arrived
 (`tests/test_train_function.py` fails if TensorFlow inlines it again).
 """
 
+import keras
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.export.export_utils import get_input_signature
 from keras.src.models.functional import Functional
@@ -70,3 +72,28 @@ def converts_inputs(layer):
     would not cast them back to 16 bits.
     """
     return getattr(layer, "_convert_input_args", True)
+
+
+# --- the logits behind a softmax or sigmoid output (kmp/policy.py) ---
+
+
+def keep_logits(source, result):
+    """Carries `source`'s `_keras_logits` over to `result`, its dtype cast.
+
+    Keras' softmax and sigmoid set `_keras_logits` on their output, and its
+    cross-entropies (`keras.losses.*_crossentropy`, from Keras 3.0 on)
+    differentiate from those logits: the gradient with respect to them is
+    `scale * (p - y)`, bounded by the loss scale. A cast to float32 (kmp's
+    model outputs) hides them, and the loss then takes `log(p)`, whose
+    gradient `scale * (1 - p) / p` overflows float16 where a class has
+    p < ~0.2 at scale 2**14: a loop computing its loss from a kmp model's
+    output skipped steps that Keras' float16 output did not.
+    """
+    logits = getattr(source, "_keras_logits", None)
+    if logits is None or result is source:
+        return result
+    try:
+        result._keras_logits = keras.ops.cast(logits, result.dtype)
+    except AttributeError:  # a tensor type that takes no attributes
+        pass
+    return result

@@ -15,6 +15,8 @@ import re
 
 import keras
 
+from kmp import _keras_internals
+
 _LOGGER = logging.getLogger("kmp")
 
 POLICY_NAMES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -762,7 +764,9 @@ def _cast_floats(structure, dtype):
             and keras.backend.is_float_dtype(x.dtype)
             and keras.backend.standardize_dtype(x.dtype) != dtype
         ):
-            return keras.ops.cast(x, dtype)
+            # Keeps the logits behind a softmax output, which Keras'
+            # cross-entropies differentiate from (see keep_logits).
+            return _keras_internals.keep_logits(x, keras.ops.cast(x, dtype))
         return x
 
     return keras.tree.map_structure(cast, structure)

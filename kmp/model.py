@@ -254,13 +254,6 @@ class Model(keras.Model):
         """
         return [_to_float32(loss) for loss in super().losses]
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        # A subclass's own train_step (a GAN's, a VAE's) reports its scalers
-        # too, with no change to the user's code.
-        if "train_step" in vars(cls):
-            cls.train_step = _train_step.reporting_scalers(vars(cls)["train_step"])
-
     def train_step(self, data):
         """Keras' own step, with a skipped step kept out of the epoch's logs
         and, with `overflow_retries`, an overflowing batch redone (see
@@ -276,6 +269,14 @@ class Model(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         _train_step.wrap_optimizers(self, _loss_scale_optimizer)
+        if "train_step" not in vars(self):
+            # Once, on this instance (no class is changed): Keras' function
+            # and kmp's call `self.train_step`, now with the scalers' logs.
+            step = type(self).train_step
+            object.__setattr__(
+                self, "train_step",
+                _train_step.reporting_scalers(self, step, own=step is Model.train_step),
+            )
         super().make_train_function(force=force)
         keras_train_function = distribute_module.train_or_test_function(
             self, self.train_step, self.train_function
@@ -353,9 +354,6 @@ class Model(keras.Model):
         return super().fit(
             x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs
         )
-
-
-Model.train_step = _train_step.reporting_scalers(Model.train_step, own=True)
 
 
 def _with_keep_float32(config, model):

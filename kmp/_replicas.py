@@ -24,6 +24,9 @@ no-merge-call path).
 """
 
 import tensorflow as tf
+from keras import ops
+
+from kmp import _gradients
 
 
 
@@ -112,3 +115,17 @@ def all_reduce_sum(tensors):
         for i, value in zip(indices, summed):
             reduced[i] = value
     return reduced
+
+
+def summable(grads):
+    """`grads` as the inner Keras optimizer can sum them over replicas.
+
+    Keras' optimizer sums all gradients in one `all_reduce`, which TensorFlow
+    refuses for mixed dtypes (a float16 variable's gradient beside float32
+    ones): with several replicas such gradients are handed over in float32
+    (each Keras update step casts its gradient to its variable's dtype).
+    """
+    dtypes = {_gradients.values(g).dtype for g in grads if g is not None}
+    if len(dtypes) < 2 or num_replicas() == 1:
+        return grads
+    return [_gradients.map_gradient(lambda t: ops.cast(t, "float32"), g) for g in grads]

@@ -589,7 +589,9 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         ))
 
     def apply_unscaled(grads, variables):
-        inner.apply(_unscale(optimizer, grads, variables) if divide_later else grads, variables)
+        if divide_later:
+            grads = _unscale(optimizer, grads, variables)
+        inner.apply(_replicas.summable(grads), variables)
 
     def skip():
         if window:  # only reached on a window's last micro-batch: back to its start

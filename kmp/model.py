@@ -3,6 +3,7 @@
 import numbers
 
 import keras
+import numpy as np
 
 from kmp import _keras_internals
 from kmp import _train_step
@@ -13,7 +14,12 @@ from kmp import policy as policy_module
 from kmp.policy import _computes_in_float16
 from kmp.policy import _to_float32
 
-_LOSS_SCALE_CHOICES = "'auto', 'dynamic', a positive number, or None"
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_LOSS_SCALE_CHOICES = (
+    f"'auto', 'dynamic', a number in (0, {_FLOAT32_MAX:.8g}] (float32), or None"
+)
+# `overflow_retries` counts down in an int32 tensor of the retry loop.
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 _MONITOR_LOG_PREFIX = _train_step.MONITOR_LOG_PREFIX
 
@@ -50,10 +56,13 @@ def _loss_scale_optimizer(optimizer, loss_scale, model):
 def _check_loss_scale(loss_scale):
     if loss_scale in (None, "auto", "dynamic"):
         return
+    # A fixed scale is held in a float32 variable: beyond float32's range it
+    # would become inf (or 0), and every step would be skipped.
     if (
         isinstance(loss_scale, bool)
         or not isinstance(loss_scale, numbers.Real)
-        or not (0 < loss_scale < float("inf"))
+        or not (0 < loss_scale <= _FLOAT32_MAX)
+        or np.float32(loss_scale) == 0
     ):
         raise ValueError(
             f"`loss_scale` must be {_LOSS_SCALE_CHOICES}. "
@@ -65,10 +74,10 @@ def _check_overflow_retries(overflow_retries):
     if (
         isinstance(overflow_retries, bool)
         or not isinstance(overflow_retries, numbers.Integral)
-        or overflow_retries < 0
+        or not 0 <= overflow_retries <= _INT32_MAX
     ):
         raise ValueError(
-            "`overflow_retries` must be an integer >= 0 (0: a batch whose "
+            f"`overflow_retries` must be an integer in [0, {_INT32_MAX}] (0: a batch whose "
             "gradients overflow is dropped at once). Received: "
             f"overflow_retries={overflow_retries!r}"
         )

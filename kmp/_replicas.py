@@ -13,9 +13,11 @@ A step runs in one of two places, and `run_step` hides which:
   as Keras' own LossScaleOptimizer does, and runs per-replica work through
   `call_for_each_replica`.
 
-Each replica checks its own gradients; only the finite flags are summed
-(`all_reduce_sum`). The gradients themselves are summed by the inner Keras
-optimizer, as it does without kmp.
+Each replica checks its own gradients, and the replicas agree on the flags
+alone (`agree`): read from every local replica in the cross-replica context
+on one machine (as Keras' own scaler does), summed in one small collective
+across workers or without `merge_call`. The gradients themselves are summed
+by the inner Keras optimizer, as it does without kmp.
 
 kmp's own variables use `aggregation="none"`, like Keras' scaler: every
 replica computes the same values and writes its own copy, so no assignment
@@ -29,7 +31,6 @@ from keras import ops
 from kmp import _gradients
 
 
-
 class _InReplica:
     """Per-replica work runs inline; values are this replica's own."""
 
@@ -40,6 +41,11 @@ class _InReplica:
     @staticmethod
     def first(value):
         return value
+
+    @staticmethod
+    def agree(flags, collective):
+        """Every replica's decision from its own `flags` (see `_CrossReplica.agree`)."""
+        return collective(flags)
 
 
 class _CrossReplica:
@@ -55,6 +61,25 @@ class _CrossReplica:
         # Every replica computed the same value (from all-reduced inputs).
         return tf.nest.map_structure(
             lambda v: self._distribution.experimental_local_results(v)[0], value
+        )
+
+    def agree(self, flags, collective):
+        """The decision of all replicas from each one's `flags`.
+
+        `flags`: per replica, booleans that must all hold (the gradients and
+        the loss are finite) followed by int64 indicators (which variables
+        overflowed). On one machine every replica is local here, in the
+        cross-replica context: they are combined without a collective, as
+        Keras' own scaler reads them. Across workers, `collective` (run on
+        every replica) sums them.
+        """
+        if isinstance(self._distribution, tf.distribute.MultiWorkerMirroredStrategy):
+            return self.first(self.run(collective, flags))
+        local = [self._distribution.experimental_local_results(f) for f in flags]
+        return tuple(
+            ops.all(ops.stack(values)) if values[0].dtype == tf.bool
+            else ops.max(ops.stack(values), axis=0)
+            for values in local
         )
 
 

@@ -512,7 +512,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     ```
 
     Each replica checks its own gradients and only the flags travel (one
-    small collective; with one replica, none): the inner optimizer sums the
+    small collective across workers or without `merge_call`; none with one
+    replica or with all replicas local, as in Keras' scaler): the inner optimizer sums the
     gradients over replicas itself, as it does without kmp, so nothing of
     Keras' is switched off. With `min_scale < 1` the gradients are unscaled
     before the check (dividing by less than 1 can overflow); otherwise in the
@@ -559,7 +560,9 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         return grads, (finite, loss_finite, indicator)
 
     def agree(local):
-        # The step's one collective, of the flags only; none with one replica.
+        # Per replica: the step's one collective, of the flags only; none with
+        # one replica, and none where all replicas are local (see
+        # `kmp._replicas`).
         if _replicas.num_replicas() == 1:
             return local
         bad = _replicas.all_reduce_sum(
@@ -572,7 +575,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         )
 
     grads, local = replicas.run(check, grads, variables, loss)
-    reduce = lambda: replicas.first(replicas.run(agree, local))  # noqa: E731
+    reduce = lambda: replicas.agree(local, agree)  # noqa: E731
     if window:
         boundary = ops.equal((inner._iterations + 1) % window, 0)
         # Mid-window every replica adds its micro-batch: "finite" until the end.

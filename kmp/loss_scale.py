@@ -2,8 +2,8 @@
 
 One order of operations, written once (`_step`):
 
-    scale loss -> gradients -> finite check (each replica its own, then one
-    small collective of the flags) -> apply: unscale, and the inner optimizer
+    scale loss -> gradients -> finite check (each replica its own; the
+    replicas agree on the flags) -> apply: unscale, then the inner optimizer
     clips, sums over replicas and updates; or skip -> update the scale
 
 The rule is one pure function, `update_loss_scale`; the optimizer keeps its
@@ -498,26 +498,26 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     ```
     bad = [not all(isfinite(grads)), not isfinite(loss)]  # each replica its own
     if accumulating:
-        bad = window_bad = max(window_bad, bad)           # no collective mid-window
+        bad = window_bad = max(window_bad, bad)
     if not accumulating or the window's last micro-batch:
-        bad = all_reduce_sum(bad)   # the step's one collective (none on one replica)
+        bad = agree(bad)         # over all replicas (see below)
     else:
-        bad = 0                     # mid-window: the inner optimizer accumulates
+        bad = 0                  # mid-window: the inner optimizer accumulates
     if bad == 0:
-        inner_optimizer.apply(unscale(grads))             # clips, sums over replicas
-    else:         # the window's last micro-batch: its start is restored
-        nothing is applied
+        inner_optimizer.apply(unscale(grads))  # clips, sums over replicas, updates
+    # else: nothing is applied (a window's accumulators are dropped)
     if not accumulating or the window's last micro-batch:
         state = update_loss_scale(state, bad == 0)
     ```
 
-    Each replica checks its own gradients and only the flags travel (one
-    small collective across workers or without `merge_call`; none with one
-    replica or with all replicas local, as in Keras' scaler): the inner optimizer sums the
-    gradients over replicas itself, as it does without kmp, so nothing of
-    Keras' is switched off. With `min_scale < 1` the gradients are unscaled
-    before the check (dividing by less than 1 can overflow); otherwise in the
-    branch that applies, as Keras' scaler does.
+    Each replica checks its own gradients and only the flags are shared:
+    read from every local replica on one machine, as Keras' scaler reads
+    them (no collective), or summed in one small collective across workers
+    and without `merge_call`. The inner optimizer sums the gradients over
+    replicas itself, as it does without kmp, so nothing of Keras' is switched
+    off. With `min_scale < 1` the gradients are unscaled before the check
+    (dividing by less than 1 can overflow); otherwise in the branch that
+    applies, as in Keras' scaler.
 
     Args:
         optimizer: The `LossScaleOptimizer`.
@@ -711,6 +711,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> optimizer.apply(tape.gradient(loss, [w]), [w])
     >>> round(float(w[0]), 6), float(optimizer.loss_scale)
     (0.995, 8.0)
+    >>> with tf.GradientTape() as tape:
+    ...     loss = optimizer.scale_loss(w[0] * float("inf"))
+    >>> optimizer.apply(tape.gradient(loss, [w]), [w])  # skipped
+    >>> round(float(w[0]), 6), int(optimizer.skipped_steps), float(optimizer.loss_scale)
+    (0.995, 1, 4.0)
     """
 
     def __init__(self, inner_optimizer, *, initial_scale=2.0**15, dynamic=True,

@@ -174,9 +174,10 @@ class Model(keras.Model):
                 optimizer and settings.
             loss_scale: `"auto"` (the default): dynamic loss scaling when the
                 model computes in float16, none otherwise. `"dynamic"`: dynamic
-                scaling whatever the dtype. A positive number: a fixed scale
-                (non-finite steps are still skipped). `None`: no scaling.
-            overflow_retries: Int >= 0. A step whose gradients overflow
+                scaling whatever the dtype. A number in (0, float32 max]: a
+                fixed scale (non-finite steps are still skipped). `None`: no
+                scaling.
+            overflow_retries: Int in [0, 2**31 - 1]. A step whose gradients overflow
                 while its loss is finite backs the dynamic scale off and
                 redoes the same batch, up to this many times, before the
                 batch is dropped (counted in `skipped_steps`; retries are

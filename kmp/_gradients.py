@@ -1,4 +1,6 @@
-"""Gradient helpers of the loss-scaled step: finite checks, unscaling, clipping.
+"""Gradient helpers of the loss-scaled step: finite checks and unscaling.
+
+Clipping is the inner Keras optimizer's own (`clipnorm`, ...).
 
 Every function takes a list of gradients in which an entry may be a dense
 tensor, a `tf.IndexedSlices` (an embedding's sparse gradient) or `None` (a
@@ -84,56 +86,3 @@ def divide(gradients, divisor, keep=None):
         g if skip else map_gradient(lambda t: t / ops.cast(divisor, t.dtype), g)
         for g, skip in zip(gradients, keep)
     ]
-
-
-def _squared_norm(gradient):
-    return ops.sum(ops.square(ops.cast(values(gradient), "float32")))
-
-
-def _scale_by(factor):
-    return lambda t: t * ops.cast(factor, t.dtype)
-
-
-def clip_gradients(gradients, clipvalue=None, clipnorm=None, global_clipnorm=None):
-    """Clips gradients by value, then by per-tensor or global norm.
-
-    Both kinds of clipping only shrink values, so the result meets every
-    bound that was asked for. `None` entries pass through.
-
-    Args:
-        gradients: List of tensors (dense or `tf.IndexedSlices`) or `None`.
-        clipvalue: Optional float > 0. Each element is clipped to
-            `[-clipvalue, clipvalue]`.
-        clipnorm: Optional float > 0. Each tensor whose L2 norm exceeds it is
-            rescaled to that norm.
-        global_clipnorm: Optional float > 0. All tensors are rescaled together
-            when their joint L2 norm exceeds it.
-
-    Returns:
-        The list of clipped gradients.
-
-    Example:
-
-    >>> [g] = clip_gradients([ops.array([3.0, 4.0])], global_clipnorm=1.0)
-    >>> [round(float(v), 3) for v in g]
-    [0.6, 0.8]
-    """
-    if clipvalue is not None:
-        gradients = [
-            map_gradient(lambda v: ops.clip(v, -clipvalue, clipvalue), g) for g in gradients
-        ]
-    if clipnorm is not None:
-        gradients = [
-            map_gradient(
-                lambda v: _scale_by(clipnorm / ops.maximum(ops.sqrt(_squared_norm(v)), clipnorm))(v),
-                g,
-            )
-            for g in gradients
-        ]
-    if global_clipnorm is not None:
-        present = [g for g in gradients if g is not None]
-        if present:
-            norm = ops.sqrt(ops.sum(ops.stack([_squared_norm(g) for g in present])))
-            factor = global_clipnorm / ops.maximum(norm, global_clipnorm)
-            gradients = [map_gradient(_scale_by(factor), g) for g in gradients]
-    return gradients

@@ -12,13 +12,12 @@ present from Keras 3.10 to 3.15):
 
 | attribute | where | why |
 |---|---|---|
-| `Optimizer._iterations` | `_accumulation.py` | the micro-step count; `iterations` counts windows |
-| `Optimizer._backend_reset_gradient_accumulators` | `_accumulation.py` | discard a window with an overflow |
+| `Optimizer._iterations` | `loss_scale.py` | the micro-step count; `iterations` counts windows |
+| `Optimizer._backend_reset_gradient_accumulators` | `loss_scale.py` | discard a window with an overflow |
 | `Optimizer._trainable_variables` | `loss_scale.py`, `callbacks.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
 | `Optimizer._filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
 | `Optimizer._get_variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
 | `Optimizer._overwrite_variable_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
-| TF `Optimizer._all_reduce_sum_gradients` | `_replicas.py` | switched off while kmp applies gradients it summed already (one all-reduce per step) |
 | `Layer._flatten_layers` | `policy.py`, `_precision.py`, `_token_ids.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
 | `Layer._call_has_training_arg` | `convert.py` | call a wrapped model as Keras would |
 | `Layer._dtype_policy` | `policy.py` | set a layer's policy without Keras' once-only checks |

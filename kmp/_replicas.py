@@ -13,15 +13,20 @@ A step runs in one of two places, and `run_step` hides which:
   as Keras' own LossScaleOptimizer does, and runs per-replica work through
   `call_for_each_replica`.
 
+Each replica checks its own gradients, and the replicas agree on the flags
+alone (`agree`): read from every local replica in the cross-replica context
+on one machine (as Keras' own scaler does), summed in one small collective
+across workers or without `merge_call`. The gradients themselves are summed
+by the inner Keras optimizer, as it does without kmp.
+
 kmp's own variables use `aggregation="none"`, like Keras' scaler: every
 replica computes the same values and writes its own copy, so no assignment
 needs a `merge_call` (which TensorFlow refuses inside a `cond` on the
 no-merge-call path).
 """
 
-import threading
-
 import tensorflow as tf
+from keras import ops
 
 from kmp import _gradients
 
@@ -37,6 +42,11 @@ class _InReplica:
     def first(value):
         return value
 
+    @staticmethod
+    def agree(flags, collective):
+        """Every replica's decision from its own `flags` (see `_CrossReplica.agree`)."""
+        return collective(flags)
+
 
 class _CrossReplica:
     """Per-replica work runs on every replica; decisions come from the first."""
@@ -51,6 +61,25 @@ class _CrossReplica:
         # Every replica computed the same value (from all-reduced inputs).
         return tf.nest.map_structure(
             lambda v: self._distribution.experimental_local_results(v)[0], value
+        )
+
+    def agree(self, flags, collective):
+        """The decision of all replicas from each one's `flags`.
+
+        `flags`: per replica, booleans that must all hold (the gradients and
+        the loss are finite) followed by int64 indicators (which variables
+        overflowed). On one machine every replica is local here, in the
+        cross-replica context: they are combined without a collective, as
+        Keras' own scaler reads them. Across workers, `collective` (run on
+        every replica) sums them.
+        """
+        if isinstance(self._distribution, tf.distribute.MultiWorkerMirroredStrategy):
+            return self.first(self.run(collective, flags))
+        local = [self._distribution.experimental_local_results(f) for f in flags]
+        return tuple(
+            ops.all(ops.stack(values)) if values[0].dtype == tf.bool
+            else ops.max(ops.stack(values), axis=0)
+            for values in local
         )
 
 
@@ -113,102 +142,15 @@ def all_reduce_sum(tensors):
     return reduced
 
 
-# Keras' TensorFlow optimizers sum gradients over replicas in
-# `_all_reduce_sum_gradients`, called from `apply`. kmp has summed them
-# already (the skip decision needs the sum), so while kmp applies them that
-# method passes them through. Thread-local: MirroredStrategy traces each
-# replica in its own thread.
-_ALL_REDUCE_METHOD = "_all_reduce_sum_gradients"
-_already_reduced = threading.local()
+def summable(grads):
+    """`grads` as the inner Keras optimizer can sum them over replicas.
 
-
-def _passes_through_when_reduced(keras_all_reduce):
-    def all_reduce_sum_gradients(self, grads_and_vars):
-        if getattr(_already_reduced, "active", False):
-            return list(grads_and_vars)
-        return keras_all_reduce(self, grads_and_vars)
-
-    all_reduce_sum_gradients._kmp_switch = True
-    return all_reduce_sum_gradients
-
-
-def _optimizers_within(optimizer):
-    """`optimizer` and those it delegates to (a MultiOptimizer's optimizers)."""
-    found = [optimizer]
-    for inner in getattr(optimizer, "optimizers", None) or ():
-        if inner is not optimizer:
-            found.extend(_optimizers_within(inner))
-    return found
-
-
-def can_skip_all_reduce(optimizer):
-    """Whether `optimizer`'s own all-reduce can be turned off for `apply_reduced`.
-
-    True when every optimizer that `optimizer.apply` reaches (itself, and a
-    `keras.optimizers.MultiOptimizer`'s sub-optimizers, which sum again on
-    their own) takes its sum from a class method named
-    `_all_reduce_sum_gradients`; that method is then switched once per class.
-    Should Keras rename it, the caller divides the summed gradients by the
-    number of replicas instead, so that the second sum gives the same values.
+    Keras' optimizer sums all gradients in one `all_reduce`, which TensorFlow
+    refuses for mixed dtypes (a float16 variable's gradient beside float32
+    ones): with several replicas such gradients are handed over in float32
+    (each Keras update step casts its gradient to its variable's dtype).
     """
-    owners = []
-    for inner in _optimizers_within(optimizer):
-        owner = next(
-            (klass for klass in type(inner).__mro__ if _ALL_REDUCE_METHOD in vars(klass)),
-            None,
-        )
-        if owner is None or _ALL_REDUCE_METHOD in vars(inner):
-            return False
-        owners.append(owner)
-    for owner in owners:
-        method = vars(owner)[_ALL_REDUCE_METHOD]
-        if not getattr(method, "_kmp_switch", False):
-            setattr(owner, _ALL_REDUCE_METHOD, _passes_through_when_reduced(method))
-    return True
-
-
-def apply_reduced(optimizer, grads, variables):
-    """`optimizer.apply(grads, variables)` on gradients already summed over replicas.
-
-    Call `can_skip_all_reduce(optimizer)` first: only where it is true does
-    the optimizer skip its own sum.
-    """
-    _already_reduced.active = True
-    try:
-        optimizer.apply(grads, variables)
-    finally:
-        _already_reduced.active = False
-
-
-def apply_unscaled(optimizer, grads, variables, *, divisor, summed, keep, clipping):
-    """Unscales, clips and applies one replica's gradients with `optimizer`.
-
-    Args:
-        optimizer: The inner optimizer.
-        grads: This replica's gradients: summed over replicas already
-            (`summed`), or its own (the inner optimizer sums them).
-        variables: The variables they belong to.
-        divisor: The loss scale to divide by, or `None` when the gradients
-            are unscaled already (or were never scaled).
-        summed: Bool. Whether `grads` are sums over replicas.
-        keep: List of booleans: gradients to leave undivided (see
-            `kmp._gradients.divide`).
-        clipping: Dict of `clipvalue`, `clipnorm`, `global_clipnorm`.
-    """
-    replicas = num_replicas() if summed else 1
-    pass_through = replicas > 1 and can_skip_all_reduce(optimizer)
-    if pass_through:
-        replicas = 1  # the inner optimizer will not sum again
-    clips = any(value is not None for value in clipping.values())
-    if divisor is not None:
-        # Without clipping one division unscales and, where the inner
-        # optimizer sums over replicas again, averages over them too.
-        grads = _gradients.divide(grads, divisor * (1 if clips else replicas), keep)
-        replicas = replicas if clips else 1
-    grads = _gradients.clip_gradients(grads, **clipping)
-    if replicas > 1:
-        grads = _gradients.divide(grads, replicas)
-    if pass_through:
-        apply_reduced(optimizer, grads, variables)
-    else:
-        optimizer.apply(grads, variables)
+    dtypes = {_gradients.values(g).dtype for g in grads if g is not None}
+    if len(dtypes) < 2 or num_replicas() == 1:
+        return grads
+    return [_gradients.map_gradient(lambda t: ops.cast(t, "float32"), g) for g in grads]

@@ -1,7 +1,7 @@
 """kmp.Model's train step: what kmp adds around Keras' own.
 
-- `reporting_scalers` wraps kmp.Model's `train_step` and every subclass's
-  own (a GAN's, a VAE's): the logs carry each loss scaler that applied
+- `reporting_scalers` wraps the `train_step` of the kmp.Model being trained
+  (set once on the instance): the logs carry each loss scaler that applied
   (`loss_scale`, `skipped_steps`; `d_optimizer_loss_scale`, ... for several).
 - `run_train_step` runs Keras' step so that a skipped step's loss and metrics
   stay out of the epoch's logs, and, with `overflow_retries`, redoes a batch
@@ -18,7 +18,6 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from kmp import _loss_record
 from kmp import _optimizers
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
@@ -28,32 +27,49 @@ from kmp import policy as policy_module
 MONITOR_LOG_PREFIX = "_kmp_monitor_"
 
 
-def reporting_scalers(train_step, own=False):
-    """Wraps a `train_step` so that its logs carry the loss scalers' state.
+def reporting_scalers(model, train_step, own):
+    """Wraps `model`'s `train_step` so that its logs carry the loss scalers' state.
+
+    Set once on the model instance by `kmp.Model.make_train_function` (a
+    subclass's own step, a GAN's or a VAE's, with no change to the user's
+    code; no class is changed). Before the step, each scaler the model holds
+    learns that it runs inside kmp.Model's train step (so gradients of a loss
+    that skipped `scale_loss` are applied undivided); after it, the logs
+    carry each scaler that applied (`loss_scale`, `skipped_steps`;
+    `d_optimizer_loss_scale`, ... for several).
 
     Args:
-        train_step: The function: kmp.Model's own (`own=True`) or a
-            subclass's.
+        model: The `kmp.Model`.
+        train_step: The function of its class, called with `(model, data)`.
         own: Bool. Whether it is kmp.Model's own, where `overflow_retries`
             applies.
-    """
 
+    Returns:
+        A function of `data`, to be set as the instance's `train_step`.
+    """
     @functools.wraps(train_step)
-    def train_step_with_scaler_logs(self, data):
-        if getattr(self, "_kmp_overflow_retries", 0) and not own:
+    def train_step_with_scaler_logs(data):
+        if getattr(model, "_kmp_overflow_retries", 0) and not own:
             raise ValueError(
                 "`overflow_retries` redoes batches in kmp.Model's own train_step; "
-                f"{type(self).__name__} overrides `train_step`, whose metrics and "
+                f"{type(model).__name__} overrides `train_step`, whose metrics and "
                 "optimizers kmp cannot roll back. Compile it with "
                 "overflow_retries=0. Received: overflow_retries="
-                f"{self._kmp_overflow_retries}"
+                f"{model._kmp_overflow_retries}"
             )
         if not own:
-            held_models_return_float32(self)
-        with _loss_record.train_step() as applied:
-            logs = train_step(self, data)
+            held_models_return_float32(model)
+        scalers = list(_optimizers.scaling_optimizers(model).values())
+        for optimizer in scalers:
+            optimizer._record.begin_model_step()
+        try:
+            logs = train_step(model, data)
+        finally:
+            for optimizer in scalers:
+                optimizer._record.in_model_step = False
+        applied = [optimizer for optimizer in scalers if optimizer._record.applied]
         if applied and isinstance(logs, dict):
-            logs = dict(logs, **scaler_logs(self, applied))
+            logs = dict(logs, **scaler_logs(model, applied))
         return logs
 
     return train_step_with_scaler_logs
@@ -133,10 +149,10 @@ def _one_attempt(model, data, optimizer, keras_train_step):
     """
     metric_variables = list(model.metrics_variables)
     before = [tf.identity(v.value) for v in metric_variables]
+    optimizer._record.finite = None
     keras_train_step(data)
-    finite = _loss_record.last_finite(optimizer)
-    loss = _loss_record.last_loss(optimizer)
-    retry = _loss_record.last_retry(optimizer)
+    record = optimizer._record
+    finite, loss, retry = record.finite, record.last_loss, record.retry
     if finite is None or loss is None:
         return loss, retry
 
@@ -184,8 +200,12 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
         )
 
     def attempt(count, retry, loss):
-        with _loss_record.retrying(optimizer, retries - count):
+        # An input of the scaler's step (see `kmp.loss_scale._step`).
+        optimizer._record.retries_left = retries - count
+        try:
             new_loss, new_retry = _one_attempt(model, data, optimizer, keras_train_step)
+        finally:
+            optimizer._record.retries_left = None
         return count + 1, new_retry, ops.cast(new_loss, "float32")
 
     count, _, loss = tf.while_loop(
@@ -194,7 +214,7 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
         (ops.convert_to_tensor(0), ops.convert_to_tensor(True), ops.convert_to_tensor(0.0)),
     )
     # The loss of the attempt that counted, for the monitor's logs.
-    _loss_record.set_last_loss(optimizer, loss)
+    optimizer._record.last_loss = loss
 
 
 def scaler_logs(model, applied):
@@ -215,7 +235,7 @@ def scaler_logs(model, applied):
         logs[prefix + "skipped_steps"] = optimizer.skipped_steps
         if getattr(model, "_kmp_overflow_retries", 0):
             logs[prefix + "retried_steps"] = optimizer.counters["retries"]
-    loss = _loss_record.last_loss(scalers[0]) if len(scalers) == 1 else None
+    loss = scalers[0]._record.last_loss if len(scalers) == 1 else None
     if (
         loss is not None
         and scalers[0]._monitored

@@ -198,11 +198,24 @@ def make_function(model, step_function):
         model: `keras.Model`. The model being trained.
         step_function: Callable. `model.train_step` or `model.test_step`.
 
+    What differs from Keras' function:
+
+    - an exhausted iterator raises `tf.errors.OutOfRangeError` (from
+      `iterator.get_next()`), where Keras' raises `StopIteration` after
+      reading an empty `Optional`; `fit` and `evaluate` take either as the
+      end of the epoch (Keras' epoch iterator catches both), but code that
+      calls the function itself must catch `OutOfRangeError`;
+    - the logs are returned as they are, not as an `Optional`;
+    - under `MultiWorkerMirroredStrategy` the logs are reduced with
+      `reduce_logs` (one collective), where Keras' reduction fails.
+
+    `model.steps_per_execution` and `model.unrolled_steps_per_execution`
+    (Keras 3.7 and later: steps per iteration of the loop, each after the
+    first guarded by a cond) are honoured as in Keras.
+
     Returns:
         A function of a `tf.data` or distributed iterator that returns the
-        logs of the last step it ran; it raises `tf.errors.OutOfRangeError`
-        when the iterator is empty, which `fit` takes as the end of the
-        epoch, as Keras' own function did before Keras 3.7.
+        logs of the last step it ran.
     """
     strategy = model.distribute_strategy
 
@@ -232,6 +245,9 @@ def make_function(model, step_function):
     @tf.autograph.experimental.do_not_convert
     def multi_step_on_iterator(iterator):
         steps = model.steps_per_execution
+        # Keras' TensorFlow trainer (3.7 and later) runs this many steps per
+        # iteration of its loop, each but the first guarded by a cond.
+        unrolled = max(1, min(getattr(model, "unrolled_steps_per_execution", 1), steps))
         logs = one_step_on_data(iterator.get_next())
         if steps == 1:
             return logs
@@ -241,7 +257,7 @@ def make_function(model, step_function):
             # has run out of data, so all workers stop together.
             return tf.logical_and(step < steps, next_data.has_value())
 
-        def body(step, logs, next_data):
+        def one_step(step, logs, next_data):
             logs = one_step_on_data(next_data.get_value())
             # No batch is taken past the last step of this call.
             next_data = tf.cond(
@@ -250,6 +266,16 @@ def make_function(model, step_function):
                 lambda: next_data,
             )
             return step + 1, logs, next_data
+
+        def body(step, logs, next_data):
+            step, logs, next_data = one_step(step, logs, next_data)
+            for _ in range(unrolled - 1):
+                step, logs, next_data = tf.cond(
+                    more(step, logs, next_data),
+                    lambda state=(step, logs, next_data): one_step(*state),
+                    lambda state=(step, logs, next_data): state,
+                )
+            return step, logs, next_data
 
         _, logs, _ = tf.while_loop(
             more, body, (tf.constant(1), logs, iterator.get_next_as_optional())

@@ -1,30 +1,31 @@
 """Loss scaling: the scaling rule and the optimizer that applies it.
 
-One order of operations, here and nowhere else:
+One order of operations, written once (`_step`):
 
-    scale loss -> gradients -> sum over replicas -> finite check -> unscale ->
-    clip the unscaled gradients -> apply or skip -> update the scale
+    scale loss -> gradients -> finite check (each replica its own; the
+    replicas agree on the flags) -> apply: unscale, then the inner optimizer
+    clips, sums over replicas and updates; or skip -> update the scale
 
-(The finite check reads the scaled gradients: for a scale >= 1 dividing by
-it cannot change which values are finite. With `min_scale < 1` the gradients
-are unscaled first.) The rule is one pure function, `update_loss_scale`; the
-optimizer keeps its state and runs the step. Gradient helpers live in
-`kmp/_gradients.py`, replica handling in `kmp/_replicas.py`, gradient
-accumulation in `kmp/_accumulation.py`, and how a step's gradients were
-made (scaled or not) in `kmp/_loss_record.py`.
+The rule is one pure function, `update_loss_scale`; the optimizer keeps its
+state and runs the step. Clipping is the inner optimizer's own: `clipnorm`,
+`global_clipnorm` and `clipvalue` given to the scaler are set on it.
 
-Gradients of a loss that was not scaled are never divided. Where a
-`tf.GradientTape` computed the gradients and `scale_loss` did not run for the
-optimizer in that step (a custom `train_step` or loop that forgot it), they
-are applied as they are, non-finite steps are still skipped, and one warning
-names the line to add. Gradients made without a tape are taken to be scaled
-by hand, as Keras takes them.
+The contract between a train step and its scaler lives on the optimizer, in
+`_StepRecord` (one per replica thread: MirroredStrategy traces each replica
+in its own thread). `scale_loss` records the loss; `apply` reads and clears
+that record, and writes what it decided (applied, finite, retry, loss), which
+`kmp.Model`'s train step reads back. Gradients of a loss that did not go
+through `scale_loss`:
+
+- inside `kmp.Model`'s train step (a custom `train_step` that forgot it), are
+  applied undivided, with one warning naming the line to add;
+- anywhere else (a `GradientTape` loop, Keras' own tests scaling by hand),
+  are divided, as Keras' LossScaleOptimizer divides them, with one warning.
 
 With an inner optimizer built with `gradient_accumulation_steps=n`, each
 micro-batch is unscaled and summed by the inner optimizer, and the step is
 decided once per window: a window with an overflow anywhere is discarded
-whole and counted once, and the scale changes only between windows. Clip on
-the inner optimizer then.
+whole and counted once, and the scale changes only between windows.
 """
 
 import collections
@@ -32,19 +33,23 @@ import math
 import numbers
 import os
 import sys
+import threading
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from kmp import _accumulation
 from kmp import _gradients
 from kmp import _keras_internals
-from kmp import _loss_record
 from kmp import _replicas
 from kmp._gradients import all_finite  # noqa: F401  (public in this module)
-from kmp._gradients import clip_gradients  # noqa: F401  (public in this module)
+
+# The largest values the state variables hold: the scale is float32, the
+# counters (`growth_interval`, `hysteresis` among them) int64.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 LossScaleState = collections.namedtuple(
     "LossScaleState", ["loss_scale", "good_steps", "hysteresis_left", "skipped_steps"]
@@ -165,22 +170,29 @@ _COUNTERS = (
 # finite, whether the unscaled loss is, and (only while a monitor watches)
 # int64 flags of the variables whose gradient is not.
 # `retry` (a boolean, or `None` when the step cannot be retried): the
-# gradients overflowed, the loss did not, and `kmp.Model` will redo the batch
-# at a lower scale (`compile(overflow_retries=...)`), so it is not a skip.
+# gradients overflowed, the loss did not, and the caller will redo the batch
+# at a lower scale, so it is not a skip.
 _Decision = collections.namedtuple(
     "_Decision", ["finite", "loss_finite", "nonfinite_gradients", "retry"], defaults=(None,)
 )
 
 _UNSCALED_WARNING = (
     "kmp.LossScaleOptimizer '{name}'{held_as} received gradients of a loss that was "
-    "not scaled: a GradientTape computed them, but `scale_loss` did not run "
-    "for this optimizer in this step. They are applied as they are (not "
-    "divided by the loss scale) and non-finite steps are still skipped, but "
-    "small float16 gradients can underflow to zero. Add one line inside the "
-    "tape, `scaled_loss = {attribute}.scale_loss(loss)`, and take "
-    "`tape.gradient(scaled_loss, ...)` (keep `loss` for your metrics)."
+    "not scaled: `scale_loss` did not run for this optimizer in this train step. "
+    "They are applied as they are (not divided by the loss scale) and non-finite "
+    "steps are still skipped, but small float16 gradients can underflow to zero. "
+    "Add one line inside the tape, `scaled_loss = {attribute}.scale_loss(loss)`, "
+    "and take `tape.gradient(scaled_loss, ...)` (keep `loss` for your metrics)."
 )
 
+_DIVIDED_WARNING = (
+    "kmp.LossScaleOptimizer '{name}' divided gradients by the loss scale although "
+    "`scale_loss` did not run for it since its last `apply`, as Keras' "
+    "LossScaleOptimizer does: right for gradients scaled by hand, too small by the "
+    "scale for gradients of a loss that was not scaled. Outside `kmp.Model`'s train "
+    "step kmp cannot tell them apart. Add one line inside the tape, `scaled_loss = "
+    "optimizer.scale_loss(loss)`, and take `tape.gradient(scaled_loss, ...)`."
+)
 
 _DEFAULT_GROWTH_INTERVAL = 2000
 
@@ -194,6 +206,8 @@ _KERAS_BASE_DEFAULTS = {
     "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
 }
+
+_CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
 
 # Where kmp, Keras and TensorFlow live: a warning about the user's code points
 # at the first line outside them (`apply_gradients` reaches `apply` through
@@ -211,19 +225,66 @@ def _user_stacklevel():
     return level
 
 
-def _warn_unscaled(optimizer):
-    """Warns that `optimizer` got gradients of an unscaled loss, at the user's line.
+def _warn_once(optimizer, template):
+    """Warns once per optimizer and message, at the user's line.
 
     Names the model attribute that holds it (a GAN's `d_optimizer`, set by
     kmp.Model): in a traced step, the warning's line is AutoGraph's.
     """
+    if template in optimizer._warned:
+        return
+    optimizer._warned.add(template)
     attribute = getattr(optimizer, "_kmp_attribute", None)
-    message = _UNSCALED_WARNING.format(
+    message = template.format(
         name=optimizer.name,
         held_as=f" (the model's `{attribute}`)" if attribute else "",
         attribute=f"self.{attribute}" if attribute else "optimizer",
     )
     warnings.warn(message, stacklevel=_user_stacklevel())
+
+
+class _StepRecord(threading.local):
+    """What one replica's train step and its scaler tell each other.
+
+    Thread-local and owned by one optimizer: MirroredStrategy traces each
+    replica in its own thread, so each replica's step has its own record.
+
+    Written before `apply`: `loss` and `scaled` (by `scale_loss`), `divided`
+    (by `get_unscaled_gradients`), `in_model_step` and `retries_left` (by
+    `kmp.Model`'s train step). `apply` reads and clears the first three and
+    writes `applied`, `finite` (boolean tensor: the gradients were applied),
+    `retry` (boolean tensor or `None`) and `last_loss` (the unscaled loss).
+    """
+
+    def __init__(self):
+        self.scaled, self.loss, self.divided = False, None, False
+        self.in_model_step, self.retries_left = False, None
+        self.applied, self.finite, self.retry, self.last_loss = False, None, None, None
+
+    def __reduce__(self):
+        return _StepRecord, ()  # a copy starts with a fresh record
+
+    def begin_model_step(self):
+        """Called by `kmp.Model`'s train step before the user's step runs."""
+        self.in_model_step, self.applied = True, False
+
+    def take(self):
+        """`(scaled, divided, loss)` of the step so far; clears them for the next."""
+        taken = (self.scaled, self.divided, _usable_here(self.loss))
+        self.scaled, self.loss, self.divided = False, None, False
+        return taken
+
+
+def _usable_here(loss):
+    # A loss recorded in another trace (a `tf.function` traced again) is not.
+    if loss is None or not tf.is_symbolic_tensor(loss):
+        return loss
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if graph is loss.graph:
+            return loss
+        graph = getattr(graph, "outer_graph", None)
+    return None
 
 
 _RULE_SETTINGS = ("dynamic", "growth_factor", "backoff_factor", "growth_interval",
@@ -295,23 +356,31 @@ def _check_number(name, value, *, allow_none=False, rule="a finite number > 0",
         raise ValueError(f"`{name}` must be {rule}{none_note}. Received: {name}={value!r}")
 
 
-def _check_integer(name, value, minimum):
+def _check_scale(name, value):
+    # Held in a float32 variable: beyond float32's range it would become inf
+    # or 0, and the scaler would divide by it.
+    _check_number(name, value, rule=f"a number in (0, {_FLOAT32_MAX:.8g}] (float32)",
+                  predicate=lambda v: 0 < v <= _FLOAT32_MAX and np.float32(v) > 0)
+
+
+def _check_integer(name, value, minimum, maximum=_INT64_MAX):
     # A float with an integer value (2.0) is accepted, as Keras and tf.keras do.
     integral = isinstance(value, numbers.Integral) or (
         isinstance(value, numbers.Real) and float(value).is_integer()  # False for inf, nan
     )
-    if isinstance(value, bool) or not integral or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
+    if isinstance(value, bool) or not integral or not minimum <= value <= maximum:
+        raise ValueError(
+            f"`{name}` must be an integer in [{minimum}, {maximum}]. Received: {name}={value!r}"
+        )
 
 
 def _check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growth_interval,
-                    hysteresis, min_scale, max_scale, clipnorm, global_clipnorm, clipvalue,
-                    enabled):
+                    hysteresis, min_scale, max_scale, clipping, enabled):
     """Raises `ValueError` naming the first argument that breaks its rule."""
     for arg, value in (
         ("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)
     ):
-        _check_number(arg, value)
+        _check_scale(arg, value)
     if not min_scale <= initial_scale <= max_scale:
         raise ValueError(
             "The scales must satisfy `min_scale <= initial_scale <= max_scale`. "
@@ -325,17 +394,36 @@ def _check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growt
                   predicate=lambda v: v > 1)
     _check_number("backoff_factor", backoff_factor,
                   rule="a number with 0 < backoff_factor < 1", predicate=lambda v: 0 < v < 1)
+    # Both reach the int64 counters.
     _check_integer("growth_interval", growth_interval, 1)
     _check_integer("hysteresis", hysteresis, 1)
-    for arg, value in (
-        ("clipnorm", clipnorm), ("global_clipnorm", global_clipnorm), ("clipvalue", clipvalue)
-    ):
+    for arg, value in clipping.items():
         _check_number(arg, value, allow_none=True)
-    if clipnorm is not None and global_clipnorm is not None:
+    given = {arg: value for arg, value in clipping.items() if value is not None}
+    if len(given) > 1:
+        # The inner Keras optimizer clips, and takes one of them (Keras' rule).
         raise ValueError(
-            "At most one of `clipnorm` and `global_clipnorm` can be set. "
-            f"Received: clipnorm={clipnorm!r}, global_clipnorm={global_clipnorm!r}"
+            "At most one of `clipnorm`, `global_clipnorm` and `clipvalue` can be set "
+            "(the inner Keras optimizer clips, and takes one). Received: "
+            + ", ".join(f"{arg}={value!r}" for arg, value in given.items())
         )
+
+
+def _forward_clipping(inner_optimizer, clipping):
+    """Sets the scaler's clipping on the inner optimizer, which clips the
+    unscaled gradients. Raises `ValueError` where it clips otherwise."""
+    given = {arg: value for arg, value in clipping.items() if value is not None}
+    own = {arg: getattr(inner_optimizer, arg, None) for arg in _CLIPPING}
+    own = {arg: value for arg, value in own.items() if value is not None}
+    if given and own and own != given:
+        raise ValueError(
+            "The inner optimizer clips already; set clipping on one of the two. Received: "
+            + ", ".join(f"{arg}={value!r}" for arg, value in given.items())
+            + ", inner_optimizer "
+            + ", ".join(f"{arg}={value!r}" for arg, value in own.items())
+        )
+    for arg, value in given.items():
+        setattr(inner_optimizer, arg, value)
 
 
 def _growth_interval(growth_interval, dynamic_growth_steps):
@@ -386,86 +474,232 @@ def _add_state_variable(optimizer, name, shape, dtype, initial):
     )
 
 
+def _accumulation_steps(optimizer):
+    """The inner optimizer's `gradient_accumulation_steps`, or `None`."""
+    return getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None) or None
+
+
+def _unscale(optimizer, grads, variables=None):
+    """`grads` divided by the loss scale: the one place kmp unscales.
+
+    Variables Keras overwrites with their "gradient" (a BatchNormalization
+    moving statistic under some layers) take it as it is, as in Keras' scaler.
+    """
+    keep = None if variables is None else [
+        optimizer._overwrite_variable_with_gradient(v) for v in variables
+    ]
+    scale = optimizer.loss_scale  # one read of the scale, not one per gradient
+    return _gradients.divide(grads, scale, keep)
+
+
+def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
+    """One step (or one micro-batch of an accumulated step), written once.
+
+    ```
+    bad = [not all(isfinite(grads)), not isfinite(loss)]  # each replica its own
+    if accumulating:
+        bad = window_bad = max(window_bad, bad)
+    if not accumulating or the window's last micro-batch:
+        bad = agree(bad)         # over all replicas (see below)
+    else:
+        bad = 0                  # mid-window: the inner optimizer accumulates
+    if bad == 0:
+        inner_optimizer.apply(unscale(grads))  # clips, sums over replicas, updates
+    # else: nothing is applied (a window's accumulators are dropped)
+    if not accumulating or the window's last micro-batch:
+        state = update_loss_scale(state, bad == 0)
+    ```
+
+    Each replica checks its own gradients and only the flags are shared:
+    read from every local replica on one machine, as Keras' scaler reads
+    them (no collective), or summed in one small collective across workers
+    and without `merge_call`. The inner optimizer sums the gradients over
+    replicas itself, as it does without kmp, so nothing of Keras' is switched
+    off. With `min_scale < 1` the gradients are unscaled before the check
+    (dividing by less than 1 can overflow); otherwise in the branch that
+    applies, as in Keras' scaler.
+
+    Args:
+        optimizer: The `LossScaleOptimizer`.
+        replicas: Where per-replica work runs (see `kmp._replicas.run_step`).
+        grads, variables, loss: This replica's gradients, their variables and
+            the unscaled loss (`None` when unknown).
+        divide: Bool. Whether the gradients are scaled and must be divided.
+        retries_left: Int tensor, or `None`: the retries this batch has left.
+
+    Returns:
+        `(finite, retry)`: boolean tensors; `retry` is `None` without retries.
+    """
+    inner = optimizer.inner_optimizer
+    window = _accumulation_steps(optimizer)
+    unscale_first = divide and optimizer.min_scale < 1.0
+    divide_later = divide and not unscale_first
+    monitored = optimizer._monitored
+    indices = [optimizer._get_variable_index(v) for v in variables] if monitored else []
+
+    def check(grads, variables, loss):
+        if unscale_first:
+            grads = _unscale(optimizer, grads, variables)
+        flags = _gradients.finite_flags(grads)
+        finite = _gradients.all_true(flags)
+        loss_finite = (ops.convert_to_tensor(True) if loss is None
+                       else ops.all(ops.isfinite(loss)))
+        if window:
+            seen = ops.maximum(
+                optimizer._accumulation_window.value,
+                ops.cast(ops.logical_not(ops.stack([finite, loss_finite])), "int64"),
+            )
+            optimizer._accumulation_window.assign(seen)
+            finite, loss_finite = ops.equal(seen[0], 0), ops.equal(seen[1], 0)
+        if not monitored:
+            return grads, (finite, loss_finite)
+        # Which variables overflowed: this micro-batch's own flags.
+        indicator = _gradients.nonfinite_indicator(
+            flags, indices, len(optimizer._trainable_variables)
+        )
+        return grads, (finite, loss_finite, indicator)
+
+    def agree(local):
+        # Per replica: the step's one collective, of the flags only; none with
+        # one replica, and none where all replicas are local (see
+        # `kmp._replicas`).
+        if _replicas.num_replicas() == 1:
+            return local
+        bad = _replicas.all_reduce_sum(
+            [ops.cast(ops.logical_not(local[0]), "float32"),
+             ops.cast(ops.logical_not(local[1]), "float32")]
+            + [ops.cast(flags, "float32") for flags in local[2:]]
+        )
+        return (ops.equal(bad[0], 0.0), ops.equal(bad[1], 0.0)) + tuple(
+            ops.cast(ops.greater(flags, 0.0), "int64") for flags in bad[2:]
+        )
+
+    grads, local = replicas.run(check, grads, variables, loss)
+    reduce = lambda: replicas.agree(local, agree)  # noqa: E731
+    if window:
+        boundary = ops.equal((inner._iterations + 1) % window, 0)
+        # Mid-window every replica adds its micro-batch: "finite" until the end.
+        agreed = ops.cond(boundary, reduce, lambda: tuple(
+            ops.ones_like(v) if i < 2 else v for i, v in enumerate(replicas.first(local))
+        ))
+    else:
+        agreed = reduce()
+    decision = _Decision(agreed[0], agreed[1], agreed[2] if monitored else None)
+    if retries_left is not None and optimizer.dynamic:
+        decision = decision._replace(retry=ops.logical_and(
+            ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite),
+            ops.logical_and(retries_left > 0, optimizer._loss_scale.value > optimizer.min_scale),
+        ))
+
+    def apply_unscaled(grads, variables):
+        if divide_later:
+            grads = _unscale(optimizer, grads, variables)
+        inner.apply(_replicas.summable(grads), variables)
+
+    def skip():
+        if window:  # only reached on a window's last micro-batch: back to its start
+            inner._iterations.assign(inner._iterations - (window - 1))
+
+    ops.cond(decision.finite, lambda: replicas.run(apply_unscaled, grads, variables), skip)
+    if not window:
+        _update_state(optimizer, decision)
+        return decision.finite, decision.retry
+    discard = ops.logical_not(decision.finite)
+    # A discarded window, and a micro-batch with an overflow (now or earlier)
+    # mid-window (the window is lost anyway): no inf or NaN stays in the
+    # accumulators.
+    replicas.run(
+        lambda local: ops.cond(
+            ops.logical_or(
+                discard, ops.logical_and(ops.logical_not(boundary), ops.logical_not(local[0]))
+            ),
+            inner._backend_reset_gradient_accumulators,
+            lambda: None,
+        ),
+        local,
+    )
+
+    def end_window():
+        _update_state(optimizer, decision)
+        optimizer._accumulation_window.assign(ops.zeros((2,), "int64"))
+
+    ops.cond(boundary, end_window, lambda: None)
+    return decision.finite, decision.retry
+
+
+def _update_state(optimizer, decision):
+    """The scaling rule and the counters, after one (applied or skipped) step."""
+    rule = {name: getattr(optimizer, name) for name in _RULE_SETTINGS}
+    scale, counters = _next_state(optimizer._loss_scale.value, optimizer.counters, decision, rule)
+    optimizer._loss_scale.assign(scale)
+    optimizer._counters.assign(ops.stack([counters[name] for name in _COUNTERS]))
+    if decision.nonfinite_gradients is not None:
+        # Kept from the latest backward overflow, so that with
+        # steps_per_execution > 1 the monitor still sees where it was.
+        backward = ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite)
+        flags = optimizer._nonfinite_gradients
+        flags.assign(ops.where(backward, decision.nonfinite_gradients, flags))
+
+
 @keras.saving.register_keras_serializable(package="kmp")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
-    """An optimizer that scales the loss, skips non-finite steps and clips.
+    """An optimizer that scales the loss and skips non-finite steps.
 
     It wraps any Keras optimizer. `scale_loss(loss)` multiplies the loss by
     the current scale so that small float16 gradients do not underflow;
     `apply(grads, variables)` and `apply_gradients(grads_and_vars)` then run,
-    once per step:
+    once per step (see `kmp.loss_scale._step`):
 
     ```
-    grads = all_reduce_sum(grads)            # under a tf.distribute strategy
-    finite = all(isfinite(g) for g in grads) # on the summed gradients, so
-                                             # every replica decides alike
+    finite = all(isfinite(g) for g in grads) # on every replica, agreed in
+                                             # one small collective
     if finite:
-        grads = grads / loss_scale           # unscale
-        grads = clip(grads)                  # clipvalue, then clipnorm or
-                                             # global_clipnorm, on unscaled grads
-        inner_optimizer.apply(grads)         # updates weights, slots, iterations
+        inner_optimizer.apply(grads / loss_scale)  # clips, updates weights,
+                                                   # slots and iterations
     # else: weights, slots and iterations are left exactly as they were
-    state = update_loss_scale(state, finite) # see `kmp.loss_scale.update_loss_scale`
+    state = update_loss_scale(state, finite) # see `update_loss_scale`
     ```
-
-    One finite check and one division per gradient, as Keras'
-    LossScaleOptimizer; the division happens only on a step that is applied.
-    With `min_scale < 1` the gradients are unscaled before the check (a
-    division by less than 1 can overflow).
 
     With `dynamic=True` the scale follows the Megatron-LM rule: after
     `hysteresis` consecutive non-finite steps it is multiplied by
     `backoff_factor`, and after `growth_interval` consecutive finite steps by
-    `growth_factor`, always clamped to `[min_scale, max_scale]`. With
+    `growth_factor`, clamped to `[min_scale, max_scale]`. With
     `dynamic=False` the scale stays fixed but non-finite steps are still
-    skipped and counted. Under a bfloat16 or float32 policy it works the same
-    way (powers of two scale exactly); `enabled=False` makes it a
-    pass-through with no change to the code around it.
+    skipped and counted. `enabled=False` makes it a pass-through.
 
-    Gradients that a `tf.GradientTape` took of a loss that did not go
-    through `scale_loss` are never divided by the scale; gradient
-    accumulation is decided once per window (see this module's docstring).
-
+    Gradients of a loss that did not go through `scale_loss` are never
+    divided inside `kmp.Model`'s train step, and divided as Keras divides
+    them elsewhere, with a warning either way (see this module's docstring).
     The scale and the counters are variables that checkpoints and `.keras`
-    files carry. As a subclass of `keras.optimizers.LossScaleOptimizer`,
-    Keras' `fit` on a plain `keras.Model` uses it as it is.
+    files carry; Keras' `fit` on a plain `keras.Model` uses it as it is.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer` instance or name (e.g.
             `"adam"`). The optimizer that updates the weights.
-        initial_scale: Float. The starting loss scale. Defaults to `2.0**15`.
+        initial_scale: Float in (0, float32 max]. The starting loss scale.
+            Defaults to `2.0**15`.
         dynamic: Bool. Whether the scale adapts. Defaults to `True`.
-        growth_factor: Float > 1. Multiplies the scale after
-            `growth_interval` finite steps. Defaults to `2.0`.
-        backoff_factor: Float in (0, 1). Multiplies the scale after a
-            non-finite step once hysteresis is used up. Defaults to `0.5`.
-        growth_interval: Int >= 1. Finite steps between growths. Defaults to
-            `2000`.
-        hysteresis: Int >= 1. Non-finite steps tolerated before backing off;
-            refilled at each growth. Defaults to `1`.
-        min_scale: Float > 0. Lower bound of the scale. Defaults to `1.0`.
-        max_scale: Float > 0. Upper bound of the scale. Defaults to `2.0**24`.
-        clipnorm: Optional float > 0. Per-tensor L2-norm clip of the unscaled
-            gradients. Defaults to `None`.
-        global_clipnorm: Optional float > 0. Global L2-norm clip of the
-            unscaled gradients. Defaults to `None`.
-        clipvalue: Optional float > 0. Element-wise clip of the unscaled
-            gradients, applied before any norm clip. Defaults to `None`.
-        enabled: Bool. `False` turns the optimizer into a pass-through:
-            `scale_loss` returns the loss unchanged, `apply` hands the
-            gradients to the inner optimizer as they are (nothing is checked
-            or skipped) and `loss_scale` reads 1. Its variables still exist,
-            so checkpoints keep one layout. Defaults to `True`.
+        growth_factor: Float > 1. Defaults to `2.0`.
+        backoff_factor: Float in (0, 1). Defaults to `0.5`.
+        growth_interval: Int in [1, 2**63 - 1]. Finite steps between growths.
+            Defaults to `2000`.
+        hysteresis: Int in [1, 2**63 - 1]. Non-finite steps tolerated before
+            backing off; refilled at each growth. Defaults to `1`.
+        min_scale: Float in (0, float32 max]. Defaults to `1.0`.
+        max_scale: Float in (0, float32 max]. Defaults to `2.0**24`.
+        clipnorm, global_clipnorm, clipvalue: Optional float > 0, at most one.
+            Set on the inner optimizer, which clips the unscaled gradients
+            (Keras' own scaler asks for them there). Defaults to `None`.
+        enabled: Bool. `False`: `scale_loss` returns the loss unchanged and
+            `apply` hands the gradients to the inner optimizer as they are;
+            the variables still exist. Defaults to `True`.
         name: Optional string. The optimizer's name.
-        dynamic_growth_steps: Optional int >= 1. Keras' name for
-            `growth_interval`, accepted so that code written for
-            `keras.optimizers.LossScaleOptimizer` runs unchanged. Defaults
-            to `None` (use `growth_interval`).
+        dynamic_growth_steps: Optional int. Keras' name for `growth_interval`.
 
     Raises:
         TypeError: if `inner_optimizer` is not a Keras optimizer.
         ValueError: if `inner_optimizer` is itself a loss-scale optimizer, or
-            any other argument breaks its rule. Nothing is changed then.
+            any other argument breaks its rule.
 
     Example:
 
@@ -477,41 +711,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> optimizer.apply(tape.gradient(loss, [w]), [w])
     >>> round(float(w[0]), 6), float(optimizer.loss_scale)
     (0.995, 8.0)
-    >>> optimizer.apply([ops.array([float("inf")])], [w])  # skipped
+    >>> with tf.GradientTape() as tape:
+    ...     loss = optimizer.scale_loss(w[0] * float("inf"))
+    >>> optimizer.apply(tape.gradient(loss, [w]), [w])  # skipped
     >>> round(float(w[0]), 6), int(optimizer.skipped_steps), float(optimizer.loss_scale)
     (0.995, 1, 4.0)
     """
 
-    def __init__(
-        self,
-        inner_optimizer,
-        *,
-        initial_scale=2.0**15,
-        dynamic=True,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=_DEFAULT_GROWTH_INTERVAL,
-        hysteresis=1,
-        min_scale=1.0,
-        max_scale=2.0**24,
-        clipnorm=None,
-        global_clipnorm=None,
-        clipvalue=None,
-        enabled=True,
-        name=None,
-        dynamic_growth_steps=None,
-    ):
+    def __init__(self, inner_optimizer, *, initial_scale=2.0**15, dynamic=True,
+                 growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=_DEFAULT_GROWTH_INTERVAL, hysteresis=1, min_scale=1.0,
+                 max_scale=2.0**24, clipnorm=None, global_clipnorm=None, clipvalue=None,
+                 enabled=True, name=None, dynamic_growth_steps=None):
         growth_interval = _growth_interval(growth_interval, dynamic_growth_steps)
         inner_optimizer = _resolve_inner_optimizer(inner_optimizer)
+        clipping = dict(clipnorm=clipnorm, global_clipnorm=global_clipnorm, clipvalue=clipvalue)
         _check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growth_interval,
-                        hysteresis, min_scale, max_scale, clipnorm, global_clipnorm, clipvalue,
-                        enabled)
-        super().__init__(
-            inner_optimizer,
-            initial_scale=float(initial_scale),
-            dynamic_growth_steps=int(growth_interval),
-            name=name,
-        )
+                        hysteresis, min_scale, max_scale, clipping, enabled)
+        _forward_clipping(inner_optimizer, clipping)
+        super().__init__(inner_optimizer, initial_scale=float(initial_scale),
+                         dynamic_growth_steps=int(growth_interval), name=name)
         self.dynamic, self.enabled = dynamic, enabled
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
@@ -520,15 +739,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Set while a kmp.callbacks.LossScaleMonitor watches training: only
         # then does a traced step record which variables overflowed.
         self._monitored = False
-        self._warned_unscaled = False
+        object.__setattr__(self, "_warned", set())
+        object.__setattr__(self, "_record", _StepRecord())
 
     @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
         self._loss_scale = _add_state_variable(self, "loss_scale", (), "float32",
                                                self.initial_scale)
         # All the step's counters in one vector (see `_COUNTERS`): one read
-        # and one write per step, counted on the device so that they stay
-        # exact when one call runs several steps (steps_per_execution > 1).
+        # and one write per step, counted on the device.
         initial_counters = [0] * len(_COUNTERS)
         initial_counters[_COUNTERS.index("hysteresis_left")] = self.hysteresis
         self._counters = _add_state_variable(self, "counters", (len(_COUNTERS),), "int64",
@@ -538,14 +757,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._nonfinite_gradients = _add_state_variable(
             self, "nonfinite_gradients", (len(var_list),), "int64", 0
         )
-        if _accumulation.steps(self):
+        if _accumulation_steps(self):
             self._accumulation_window = _add_state_variable(
                 self, "accumulation_window", (2,), "int64", 0
             )
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
-
-    # -- read-only state ---------------------------------------------------
 
     @property
     def loss_scale(self):
@@ -565,12 +782,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def counters(self):
         """Dict of int64 scalars, read from the one `counters` variable.
 
-        `good_steps` (finite steps since the last growth or skip),
-        `hysteresis_left`, `skipped_steps` (never resets),
+        `good_steps`, `hysteresis_left`, `skipped_steps` (never resets),
         `forward_overflows` (skips whose unscaled loss was not finite),
         `consecutive_skips`, `consecutive_forward_overflows`, and `retries`
-        (overflowing batches that `kmp.Model` redid at a lower scale, see
-        `compile(overflow_retries=...)`; not counted as skips).
+        (overflowing batches redone at a lower scale; not counted as skips).
         """
         if not self.built:
             values = [self.hysteresis if name == "hysteresis_left" else 0 for name in _COUNTERS]
@@ -582,40 +797,27 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     _good_steps = property(lambda self: self.counters["good_steps"])
     _hysteresis_left = property(lambda self: self.counters["hysteresis_left"])
     _forward_overflows = property(lambda self: self.counters["forward_overflows"])
-
-    @property
-    def dynamic_scale(self):
-        # The name Keras' LossScaleOptimizer gives its scale variable.
-        return self._loss_scale
+    # The name Keras' LossScaleOptimizer gives its scale variable.
+    dynamic_scale = property(lambda self: self._loss_scale)
 
     @property
     def iterations(self):
         """The inner optimizer's step count: applied steps only."""
         return self.inner_optimizer.iterations
 
-    # -- the step ------------------------------------------------------------
-
     def scale_loss(self, loss):
-        """Returns `loss` multiplied by the current loss scale (in float32 or wider).
+        """Returns `loss` times the current loss scale (in float32 or wider).
 
         Call it inside the `GradientTape`, once per loss, and take the
         gradients of what it returns; `apply` then knows they are scaled.
         """
         if not self.enabled:
             return loss
-        _loss_record.record(self, loss)
+        self._record.scaled, self._record.loss = True, loss
         return ops.multiply(loss, self.loss_scale)
 
     def get_scaled_loss(self, loss):
-        """tf.keras' name for `scale_loss`; a callable `loss` gives a callable.
-
-        Args:
-            loss: A loss tensor, or a zero-argument callable returning one
-                (as tf.keras' `minimize` takes).
-
-        Returns:
-            `scale_loss(loss)`, or a callable returning `scale_loss(loss())`.
-        """
+        """tf.keras' name for `scale_loss`; a callable `loss` gives a callable."""
         if callable(loss):
             return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
@@ -623,17 +825,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_unscaled_gradients(self, grads):
         """Returns `grads` divided by the current loss scale (tf.keras' recipe).
 
-        For code written for tf.keras' `LossScaleOptimizer`:
-        `get_scaled_loss` inside the tape, `get_unscaled_gradients` on its
-        gradients, then `apply_gradients`, which then checks them, skips a
-        non-finite step and updates the scale, but does not divide again.
-        `None` entries pass through.
+        `apply_gradients` then checks them, skips a non-finite step and
+        updates the scale, but does not divide again. `None` entries pass.
         """
         if not self.enabled:
             return list(grads)
-        grads = list(grads)
-        _loss_record.record_divided(self)
-        return _gradients.divide(grads, self.loss_scale, keep=[g is None for g in grads])
+        self._record.divided = True
+        return _unscale(self, list(grads))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -647,13 +845,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.iterations
 
     def apply(self, grads, trainable_variables=None):
-        """Checks `grads`, then unscales, clips and applies them, or skips the step.
+        """Checks `grads`, then unscales and applies them, or skips the step.
 
         Args:
-            grads: List of gradients: of `scale_loss(loss)`, or scaled by
-                hand; gradients that a `GradientTape` took of an unscaled
-                loss are applied unscaled, with a warning (see the class
-                docstring).
+            grads: List of gradients of `scale_loss(loss)` (or scaled by hand).
             trainable_variables: List of variables, or `None` for the ones the
                 optimizer was built with.
         """
@@ -663,144 +858,43 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.built:
             # Built outside any tf.function: built inside one, in a replica of
             # MirroredStrategy, the variables' initializers are left as
-            # placeholders in a cond ("You must feed a value for placeholder
-            # tensor"), as Keras' own Adam and LossScaleOptimizer are.
+            # placeholders in a cond, as Keras' own Adam's are.
             with tf.init_scope(), keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
         grads, trainable_variables = self._filter_empty_gradients(list(grads), trainable_variables)
-        how, loss = _loss_record.take(self, trainable_variables)
+        record = self._record
+        scaled, divided, loss = record.take()
+        record.applied, record.last_loss = True, loss
         if not self.enabled:
             self.inner_optimizer.apply(grads, trainable_variables)
             return
-        if how == _loss_record.UNSCALED and not self._warned_unscaled:
-            self._warned_unscaled = True
-            _warn_unscaled(self)
-        scaled = how in (_loss_record.SCALED, _loss_record.BY_HAND)
-        retries_left = _loss_record.retries_left(self)
-        if retries_left is not None:
-            _accumulation.refuse_retries(self)
-        finite, retry = _replicas.run_step(
-            lambda replicas, *args: self._step(
-                replicas, *args, scaled=scaled, retries_left=retries_left
-            ),
+        if not (scaled or divided):
+            _warn_once(self, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
+        retries_left = record.retries_left
+        if retries_left is not None and _accumulation_steps(self):
+            raise ValueError(
+                "`overflow_retries` cannot be combined with the inner optimizer's "
+                "`gradient_accumulation_steps` (a retry would redo one micro-batch "
+                f"of a window). Received: gradient_accumulation_steps={_accumulation_steps(self)}"
+            )
+        divide = not divided and (scaled or not record.in_model_step)
+        record.finite, record.retry = _replicas.run_step(
+            lambda replicas, *args: _step(self, replicas, *args, divide=divide,
+                                          retries_left=retries_left),
             grads, trainable_variables, loss,
         )
-        _loss_record.note_finite(self, finite, retry)
-
-    def _step(self, replicas, grads, variables, loss, *, scaled, retries_left=None):
-        """Reduce and decide, then one apply-or-skip dispatch, then the state update.
-
-        Returns the decision: whether this step's (micro-batch's) gradients
-        were finite and applied.
-        """
-        # Unscale before the check only where dividing could overflow.
-        unscale_first = scaled and self.min_scale < 1.0
-        divisor = self._loss_scale if scaled and not unscale_first else None
-        accumulating = bool(_accumulation.steps(self))
-        grads, decision = replicas.run(
-            self._decide, grads, variables, loss, not accumulating, unscale_first
-        )
-
-        def apply_on_replicas():
-            replicas.run(self._apply_unscaled, grads, variables, divisor, not accumulating)
-
-        if accumulating:
-            # Decided per window, not per micro-batch: see kmp/_accumulation.py.
-            _accumulation.step(self, replicas, decision, apply_on_replicas)
-            return replicas.first(decision).finite, None
-        decision = replicas.first(decision)
-        if retries_left is not None and self.dynamic:
-            decision = decision._replace(retry=ops.logical_and(
-                ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite),
-                ops.logical_and(retries_left > 0, self._loss_scale.value > self.min_scale),
-            ))
-        ops.cond(decision.finite, apply_on_replicas, lambda: None)
-        self._update_state(decision)
-        return decision.finite, decision.retry
-
-    def _decide(self, grads, variables, loss, reduce, unscale_first):
-        """Per replica: the gradients to apply and the step's `_Decision`.
-
-        With `reduce`, the gradients are summed over replicas first (the loss
-        flag rides along in the float32 collective), so every replica
-        decides on the same values. Dividing by a scale >= 1 cannot change
-        which values are finite, so the scaled gradients decide and
-        unscaling waits for the branch that applies them.
-        """
-        loss_nonfinite = None
-        if loss is not None:
-            loss_nonfinite = ops.cast(ops.logical_not(ops.all(ops.isfinite(loss))), "float32")
-        if reduce:
-            *grads, loss_nonfinite = _replicas.all_reduce_sum(list(grads) + [loss_nonfinite])
-        if unscale_first:
-            grads = _gradients.divide(grads, self._loss_scale, self._kept(variables))
-        flags = _gradients.finite_flags(grads)
-        finite = _gradients.all_true(flags)
-        nonfinite_gradients = None
-        if self._monitored:
-            # Which variables overflowed, from the decision's own flags.
-            nonfinite_gradients = ops.cond(
-                finite,
-                lambda: ops.zeros((len(self._trainable_variables),), "int64"),
-                lambda: _gradients.nonfinite_indicator(
-                    flags, [self._get_variable_index(v) for v in variables],
-                    len(self._trainable_variables),
-                ),
-            )
-        loss_finite = (
-            ops.convert_to_tensor(True) if loss_nonfinite is None else ops.equal(loss_nonfinite, 0.0)
-        )
-        return grads, _Decision(finite, loss_finite, nonfinite_gradients)
-
-    def _kept(self, variables):
-        # Variables Keras overwrites with their "gradient" (e.g. a moving
-        # statistic) take it as it is.
-        return [self._overwrite_variable_with_gradient(v) for v in variables]
-
-    def _apply_unscaled(self, grads, variables, divisor, reduced):
-        """Per replica, in the branch that applies: unscale, clip, apply."""
-        _replicas.apply_unscaled(
-            self.inner_optimizer, grads, variables, divisor=divisor, summed=reduced,
-            keep=self._kept(variables),
-            clipping=dict(clipvalue=self.clipvalue, clipnorm=self.clipnorm,
-                          global_clipnorm=self.global_clipnorm),
-        )
-
-    def _update_state(self, decision):
-        """The scaling rule and the counters, after one (applied or skipped) step."""
-        rule = {name: getattr(self, name) for name in _RULE_SETTINGS}
-        scale, counters = _next_state(self._loss_scale.value, self.counters, decision, rule)
-        self._loss_scale.assign(scale)
-        self._counters.assign(ops.stack([counters[name] for name in _COUNTERS]))
-        if decision.nonfinite_gradients is not None:
-            # Kept from the latest backward overflow, so that with
-            # steps_per_execution > 1 the monitor still sees where it was.
-            backward = ops.logical_and(
-                ops.logical_not(decision.finite), decision.loss_finite
-            )
-            self._nonfinite_gradients.assign(
-                ops.where(backward, decision.nonfinite_gradients, self._nonfinite_gradients)
-            )
 
     def _monitor_state(self):
-        """The tensors `kmp.callbacks.LossScaleMonitor` reads after each step.
-
-        Returns:
-            `(counters, nonfinite_gradients)`: an int64 vector `[step,
-            skipped_steps, forward_overflows, consecutive_skips,
-            consecutive_forward_overflows]` (`step` counts applied and skipped
-            steps), and the int64 per-variable flags of the latest backward
-            overflow.
-        """
+        """`(counters, nonfinite_gradients)` for `kmp.callbacks.LossScaleMonitor`:
+        int64 `[step, skipped_steps, forward_overflows, consecutive_skips,
+        consecutive_forward_overflows]` (`step` counts applied and skipped
+        steps), and the per-variable flags of the latest backward overflow."""
         counters = self._counters.value
-        skipped = _COUNTERS.index("skipped_steps")
+        skipped, retries = _COUNTERS.index("skipped_steps"), _COUNTERS.index("retries")
         step = ops.cast(self.iterations, "int64") + counters[skipped]
-        retries = _COUNTERS.index("retries")
         monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:retries]])
         return monitored, tf.identity(self._nonfinite_gradients.value)
-
-    # -- serialization -------------------------------------------------------
 
     def get_config(self):
         config = {
@@ -808,7 +902,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "initial_scale": self.initial_scale,
         }
-        names = _RULE_SETTINGS + ("clipnorm", "global_clipnorm", "clipvalue", "enabled")
+        names = _RULE_SETTINGS + _CLIPPING + ("enabled",)
         return dict(config, **{name: getattr(self, name) for name in names})
 
     @classmethod

@@ -4,6 +4,7 @@ import functools
 import numbers
 
 import keras
+import numpy as np
 
 from kmp import _keras_internals
 from kmp import _precision
@@ -15,7 +16,12 @@ from kmp import policy as policy_module
 from kmp.policy import _computes_in_float16
 from kmp.policy import _to_float32
 
-_LOSS_SCALE_CHOICES = "'auto', 'dynamic', a positive number, or None"
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_LOSS_SCALE_CHOICES = (
+    f"'auto', 'dynamic', a number in (0, {_FLOAT32_MAX:.8g}] (float32), or None"
+)
+# `overflow_retries` counts down in an int32 tensor of the retry loop.
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 _MONITOR_LOG_PREFIX = _train_step.MONITOR_LOG_PREFIX
 
@@ -52,10 +58,13 @@ def _loss_scale_optimizer(optimizer, loss_scale, model):
 def _check_loss_scale(loss_scale):
     if loss_scale in (None, "auto", "dynamic"):
         return
+    # A fixed scale is held in a float32 variable: beyond float32's range it
+    # would become inf (or 0), and every step would be skipped.
     if (
         isinstance(loss_scale, bool)
         or not isinstance(loss_scale, numbers.Real)
-        or not (0 < loss_scale < float("inf"))
+        or not (0 < loss_scale <= _FLOAT32_MAX)
+        or np.float32(loss_scale) == 0
     ):
         raise ValueError(
             f"`loss_scale` must be {_LOSS_SCALE_CHOICES}. "
@@ -67,10 +76,10 @@ def _check_overflow_retries(overflow_retries):
     if (
         isinstance(overflow_retries, bool)
         or not isinstance(overflow_retries, numbers.Integral)
-        or overflow_retries < 0
+        or not 0 <= overflow_retries <= _INT32_MAX
     ):
         raise ValueError(
-            "`overflow_retries` must be an integer >= 0 (0: a batch whose "
+            f"`overflow_retries` must be an integer in [0, {_INT32_MAX}] (0: a batch whose "
             "gradients overflow is dropped at once). Received: "
             f"overflow_retries={overflow_retries!r}"
         )
@@ -182,9 +191,10 @@ class Model(keras.Model):
                 optimizer and settings.
             loss_scale: `"auto"` (the default): dynamic loss scaling when the
                 model computes in float16, none otherwise. `"dynamic"`: dynamic
-                scaling whatever the dtype. A positive number: a fixed scale
-                (non-finite steps are still skipped). `None`: no scaling.
-            overflow_retries: Int >= 0. A step whose gradients overflow
+                scaling whatever the dtype. A number in (0, float32 max]: a
+                fixed scale (non-finite steps are still skipped). `None`: no
+                scaling.
+            overflow_retries: Int in [0, 2**31 - 1]. A step whose gradients overflow
                 while its loss is finite backs the dynamic scale off and
                 redoes the same batch, up to this many times, before the
                 batch is dropped (counted in `skipped_steps`; retries are
@@ -271,13 +281,6 @@ class Model(keras.Model):
         """
         return [_to_float32(loss) for loss in super().losses]
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        # A subclass's own train_step (a GAN's, a VAE's) reports its scalers
-        # too, with no change to the user's code.
-        if "train_step" in vars(cls):
-            cls.train_step = _train_step.reporting_scalers(vars(cls)["train_step"])
-
     def train_step(self, data):
         """Keras' own step, with a skipped step kept out of the epoch's logs
         and, with `overflow_retries`, an overflowing batch redone (see
@@ -293,6 +296,14 @@ class Model(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         _train_step.wrap_optimizers(self, _loss_scale_optimizer)
+        if "train_step" not in vars(self):
+            # Once, on this instance (no class is changed): Keras' function
+            # and kmp's call `self.train_step`, now with the scalers' logs.
+            step = type(self).train_step
+            object.__setattr__(
+                self, "train_step",
+                _train_step.reporting_scalers(self, step, own=step is Model.train_step),
+            )
         super().make_train_function(force=force)
         keras_train_function = distribute_module.train_or_test_function(
             self, self.train_step, self.train_function
@@ -370,9 +381,6 @@ class Model(keras.Model):
         return super().fit(
             x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs
         )
-
-
-Model.train_step = _train_step.reporting_scalers(Model.train_step, own=True)
 
 
 def _with_keep_float32(config, model):

@@ -103,9 +103,21 @@ def test_accumulators_stay_finite_mid_window():
     assert scales[-1] == _INITIAL_SCALE * 2
 
 
-def test_clipping_with_accumulation_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match="Set `clipnorm`, `global_clipnorm` or `clipvalue` on the inner"):
-        _fit(True, _data(), global_clipnorm=1.0)
+def test_clipping_with_accumulation_clips_the_accumulated_gradients():
+    # The scaler's clipping is the inner optimizer's (issue 23), which clips
+    # the accumulated, unscaled gradients of a window: the same training as
+    # one batch of the window's size, clipped once.
+    data = _data()
+    accumulated, _ = _fit(True, data, global_clipnorm=0.05)
+    reference, _ = _fit(False, data, global_clipnorm=0.05)
+    unclipped, _ = _fit(False, data)
+    assert accumulated.optimizer.inner_optimizer.global_clipnorm == 0.05
+    _assert_same_training(accumulated, reference)
+    # The clip was active: without it the weights differ.
+    assert any(
+        not np.allclose(a, b, rtol=2e-3, atol=2e-4)
+        for a, b in zip(reference.get_weights(), unclipped.get_weights())
+    )
 
 
 def test_accumulation_under_mirrored_strategy(mirrored_strategy):

@@ -219,8 +219,6 @@ def _clip_reference(grads, clipvalue=None, clipnorm=None, global_clipnorm=None):
         {"clipvalue": 0.3},
         {"clipnorm": 0.5},
         {"global_clipnorm": 0.5},
-        {"clipvalue": 0.4, "global_clipnorm": 0.5},
-        {"clipvalue": 0.4, "clipnorm": 0.5},
     ],
 )
 def test_clipping_applies_to_unscaled_gradients(clip):
@@ -238,11 +236,32 @@ def test_clipping_applies_to_unscaled_gradients(clip):
     expected_steps = _clip_reference([g.numpy() for g in grads], **clip)
     for variable, initial, step in zip(variables, start, expected_steps):
         np.testing.assert_allclose(variable.numpy(), initial - step, rtol=1e-6, atol=1e-6)
+    # The inner optimizer clips (issue 23): kmp forwards, as Keras asks.
+    (name, value), = clip.items()
+    assert getattr(optimizer.inner_optimizer, name) == value
+
+
+@pytest.mark.parametrize(
+    "scaler, inner",
+    [
+        ({"clipvalue": 0.4, "clipnorm": 0.5}, {}),  # Keras' inner optimizer takes one
+        ({"clipnorm": 0.5}, {"global_clipnorm": 1.0}),
+        ({"clipnorm": 0.5}, {"clipnorm": 1.0}),
+    ],
+)
+def test_conflicting_clipping_is_refused_naming_both(scaler, inner):
+    with pytest.raises(ValueError, match="Received: clip") as error:
+        kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0, **inner), **scaler)
+    for name in {**scaler, **inner}:
+        assert name in str(error.value)
+    # The same clipping on both is one clipping.
+    same = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0, clipnorm=0.5), clipnorm=0.5)
+    assert same.inner_optimizer.clipnorm == 0.5
 
 
 def test_clipping_never_hides_a_non_finite_gradient():
     optimizer = kmp.LossScaleOptimizer(
-        keras.optimizers.SGD(1.0), initial_scale=2.0, clipvalue=1.0, global_clipnorm=1.0
+        keras.optimizers.SGD(1.0), initial_scale=2.0, global_clipnorm=1.0
     )
     variables = _adam_model()
     before = [v.numpy().copy() for v in variables]
@@ -345,6 +364,12 @@ def test_string_inner_optimizer_is_resolved():
         ({"global_clipnorm": -1.0}, "global_clipnorm"),
         ({"clipvalue": float("nan")}, "clipvalue"),
         ({"clipnorm": 1.0, "global_clipnorm": 1.0}, "At most one"),
+        ({"initial_scale": 1e39, "max_scale": 1e39}, "initial_scale"),  # beyond float32
+        ({"max_scale": 1e39}, "max_scale"),
+        ({"min_scale": 1e-46, "initial_scale": 1.0}, "min_scale"),  # 0 in float32
+        ({"growth_interval": 2**63}, "growth_interval"),  # beyond int64
+        ({"hysteresis": 2**63}, "hysteresis"),
+        ({"dynamic_growth_steps": 2**63}, "dynamic_growth_steps"),
         ({"dynamic": "yes"}, "dynamic"),
         ({"dynamic_growth_steps": 0}, "dynamic_growth_steps"),
         ({"dynamic_growth_steps": 2, "growth_interval": 3}, "pass one of them"),
@@ -383,7 +408,6 @@ def test_config_round_trip_keeps_every_argument():
         min_scale=0.5,
         max_scale=4096.0,
         global_clipnorm=2.5,
-        clipvalue=0.7,
         name="my_scaler",
     )
     config = optimizer.get_config()
@@ -395,8 +419,10 @@ def test_config_round_trip_keeps_every_argument():
     assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
     assert float(restored.inner_optimizer.learning_rate) == pytest.approx(0.003)
     assert config["name"] == "my_scaler" and config["clipnorm"] is None
-    other = kmp.LossScaleOptimizer("sgd", clipnorm=1.5)
-    assert kmp.LossScaleOptimizer.from_config(other.get_config()).clipnorm == 1.5
+    assert restored.inner_optimizer.global_clipnorm == 2.5
+    other = kmp.LossScaleOptimizer("sgd", clipvalue=1.5)
+    restored = kmp.LossScaleOptimizer.from_config(other.get_config())
+    assert restored.clipvalue == restored.inner_optimizer.clipvalue == 1.5
 
 
 def test_keras_dynamic_growth_steps_is_the_growth_interval():
@@ -512,34 +538,33 @@ def test_state_survives_keras_file_and_weights_round_trips(tmp_path):
     assert _state_values(fresh.optimizer) == expected
 
 
-def test_distributed_step_is_decided_on_reduced_gradients_and_counted_once(mirrored_strategy):
+def test_distributed_step_is_decided_on_all_replicas_and_counted_once(mirrored_strategy):
     strategy = mirrored_strategy
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 4)).astype("float32")
     y = rng.normal(size=(64, 1)).astype("float32")
     x[20] = np.inf  # one sample of batch 2 (of 4): it lands on one replica only
 
-    def train(strategy_scope):
-        with strategy_scope:
+    def train(model_class, optimizer):
+        with strategy.scope():
             keras.utils.set_random_seed(1)
             inputs = keras.Input((4,))
-            model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
-            model.compile(
-                kmp.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=4.0,
-                                       global_clipnorm=0.5),
-                "mse",
-            )
+            model = model_class(inputs, keras.layers.Dense(1)(inputs))
+            model.compile(optimizer(), "mse")
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         return model
 
-    distributed = train(strategy.scope())
-    single = train(tf.distribute.OneDeviceStrategy("/cpu:0").scope())
-    for model in (distributed, single):
-        assert int(model.optimizer.skipped_steps) == 1
-        assert int(model.optimizer.iterations.numpy()) == 3
-        assert float(model.optimizer.loss_scale) == 2.0
-    # Clipping saw the all-reduced gradient: both runs took the same steps.
-    for a, b in zip(distributed.get_weights(), single.get_weights()):
+    ours = train(kmp.Model, lambda: kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05), initial_scale=4.0, global_clipnorm=0.5))
+    assert int(ours.optimizer.skipped_steps) == 1
+    assert int(ours.optimizer.iterations.numpy()) == 3
+    assert float(ours.optimizer.loss_scale) == 2.0
+    # Clipping is the inner optimizer's, as under Keras' own scaler (which
+    # asks for it there): the same steps under the same strategy.
+    theirs = train(keras.Model, lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05, global_clipnorm=0.5), initial_scale=4.0))
+    assert int(theirs.optimizer.iterations.numpy()) == 3
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

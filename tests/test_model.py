@@ -240,7 +240,8 @@ def test_auto_loss_scale_sees_float16_layers_in_a_float32_model():
     assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
 
 
-@pytest.mark.parametrize("bad", ["static", 0, -1.0, float("inf"), True, [2.0]])
+# 1e39 and 1e-46: beyond float32, the dtype of the scale's variable (issue 22).
+@pytest.mark.parametrize("bad", ["static", 0, -1.0, float("inf"), True, [2.0], 1e39, 1e-46])
 def test_compile_rejects_bad_loss_scale(bad):
     model = _functional()
     with pytest.raises(ValueError) as error:
@@ -248,6 +249,15 @@ def test_compile_rejects_bad_loss_scale(bad):
     assert f"loss_scale={bad!r}" in str(error.value)
     assert "'auto'" in str(error.value)
     assert getattr(model, "optimizer", None) is None  # nothing changed
+
+
+@pytest.mark.parametrize("bad", [-1, 2**31, 1.5, True])
+def test_compile_rejects_overflow_retries_beyond_int32(bad):
+    # The retry loop counts down in an int32 tensor (issue 22).
+    model = _functional()
+    with pytest.raises(ValueError, match=rf"Received: overflow_retries={bad!r}"):
+        model.compile("sgd", "mse", overflow_retries=bad)
+    assert getattr(model, "optimizer", None) is None
 
 
 def test_keras_file_round_trip_keeps_class_optimizer_and_loss_scale_choice(tmp_path):

@@ -276,36 +276,55 @@ def _count_decision_reductions(monkeypatch):
     return calls
 
 
+# Accumulation under a strategy in a raw tf.function fails in Keras itself
+# (its accumulation cond holds the gradients' all-reduce): tested through fit
+# in test_accumulation.py.
 @pytest.mark.parametrize("accumulation", [None, 4])
-def test_one_reduction_per_applied_step_for_the_decision(accumulation, monkeypatch):
+def test_the_decision_adds_no_collective_on_one_machine(
+    accumulation, monkeypatch, mirrored_strategy
+):
+    # Each replica checks its own gradients; on one machine the replicas'
+    # flags are read in the cross-replica context, as Keras' scaler does, so
+    # kmp adds no collective; the inner optimizer sums the gradients itself,
+    # as without kmp (issue 23: nothing of Keras' is switched off). Across
+    # workers the two flags travel in one collective (test_distribute.py's
+    # multi-worker tests).
     calls = _count_decision_reductions(monkeypatch)
-    variables = [keras.Variable(np.ones((3,), "float32")) for _ in range(5)]
-    optimizer = kmp.LossScaleOptimizer(
-        keras.optimizers.SGD(0.1, gradient_accumulation_steps=accumulation), initial_scale=4.0
-    )
-    optimizer.build(variables)
+    strategy = tf.distribute.get_strategy() if accumulation else mirrored_strategy
+    replicas = strategy.num_replicas_in_sync
+    with strategy.scope():
+        variables = [keras.Variable(np.ones((3,), "float32")) for _ in range(5)]
+        optimizer = kmp.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1, gradient_accumulation_steps=accumulation),
+            initial_scale=4.0,
+        )
+        optimizer.build(variables)
 
-    @tf.function
-    def step(poison):
+    def replica_step(poison):
         with tf.GradientTape() as tape:
-            loss = ops.sum(ops.stack([ops.sum(v) for v in variables])) * poison
+            loss = ops.sum(ops.stack([ops.sum(v) for v in variables])) * poison / replicas
             loss = optimizer.scale_loss(loss)
         optimizer.apply(tape.gradient(loss, variables), variables)
 
+    step = tf.function(lambda poison: strategy.run(replica_step, args=(poison,)))
     for poison in (1.0, 1.0, 1.0, 1.0, np.inf, 1.0, 1.0, 1.0):
         step(tf.constant(poison))
+    assert calls == []
     if accumulation:
-        # Traced once: one collective of the window's two flags, in the
-        # branch of a window's last micro-batch; none per micro-batch.
-        assert calls == [1]
-        assert int(optimizer.iterations) == 1 and int(optimizer.skipped_steps) == 1
+        assert int(optimizer.iterations.numpy()) == 1 and int(optimizer.skipped_steps) == 1
         np.testing.assert_allclose(np.asarray(variables[0]), 1.0 - 0.1)
         for accumulator in optimizer.inner_optimizer._accumulated_gradients:
             assert np.all(np.isfinite(np.asarray(accumulator)))
     else:
-        # The gradients and the loss's flag, summed together.
-        assert calls == [len(variables) + 1]
-        assert int(optimizer.iterations) == 7 and int(optimizer.skipped_steps) == 1
+        assert int(optimizer.iterations.numpy()) == 7 and int(optimizer.skipped_steps) == 1
+        np.testing.assert_allclose(variables[0].numpy(), 1.0 - 7 * 0.1, rtol=1e-6)
+    calls.clear()
+    single = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4.0)
+    w = keras.Variable([1.0])
+    with tf.GradientTape() as tape:
+        loss = single.scale_loss(2.0 * w[0])
+    single.apply(tape.gradient(loss, [w]), [w])
+    assert calls == [] and float(w[0]) == pytest.approx(0.8)
 
 
 def _graph_ops(graph):
@@ -401,20 +420,24 @@ def test_explicit_scaler_under_bfloat16_and_float32_scales_exactly(policy):
 # -- gradients of a loss that was never scaled ---------------------------
 
 
-def test_gradients_of_an_unscaled_loss_are_applied_unscaled_with_one_warning():
-    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=2.0**15)
+def test_a_loop_without_scale_loss_is_divided_as_in_keras_with_one_warning():
+    # Outside kmp.Model's train step kmp cannot tell an unscaled loss's
+    # gradients from hand-scaled ones without patching GradientTape (issue
+    # 23): it divides, as Keras' scaler, and says so once.
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=4.0)
     with pytest.warns(UserWarning, match=r"scaled_loss = optimizer.scale_loss\(loss\)") as record:
-        weights = _train_sgd(optimizer, [[1.0, 2.0], [1.0, 2.0]], scaled=False)
-    assert sum("scale_loss" in str(w.message) for w in record) == 1
-    np.testing.assert_allclose(weights, [0.0, -1.0])  # 1 - 2 * 0.5 * g
-    # An overflow is still skipped.
+        weights = _train_sgd(optimizer, [[4.0, 8.0], [4.0, 8.0]], scaled=False)
+    assert sum("divided gradients" in str(w.message) for w in record) == 1
+    np.testing.assert_allclose(weights, [0.0, -1.0])  # 1 - 2 * 0.5 * g / 4
+    # An overflow is still skipped; a step with scale_loss does not warn.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _train_sgd(optimizer, [[np.inf, 0.0]], scaled=False)
+        _train_sgd(kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5)), [[1.0, 1.0]])
     assert int(optimizer.skipped_steps) == 1
 
 
-def test_the_unscaled_warning_points_at_the_users_line_through_apply_gradients():
+def test_the_divided_warning_points_at_the_users_line_through_apply_gradients():
     # apply_gradients reaches apply through Keras' optimizer: the warning still
     # names the caller's file and line, not kmp's or Keras'.
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
@@ -422,30 +445,55 @@ def test_the_unscaled_warning_points_at_the_users_line_through_apply_gradients()
     with tf.GradientTape() as tape:
         loss = 2.0 * w[0]
     grads = tape.gradient(loss, [w])
-    with pytest.warns(UserWarning, match="was not scaled") as record:
+    with pytest.warns(UserWarning, match="divided gradients") as record:
         line = inspect.currentframe().f_lineno + 1
         optimizer.apply_gradients(zip(grads, [w]))
-    (warning,) = [w for w in record if "was not scaled" in str(w.message)]
+    (warning,) = [w for w in record if "divided gradients" in str(w.message)]
     assert (warning.filename, warning.lineno) == (__file__, line)
 
 
-def test_a_tape_of_other_variables_leaves_hand_scaled_gradients_divided():
-    # A plain model's fit, and a tape of another variable, ran before: the
-    # hand-scaled gradients of `w` (Keras' own test_finite_step) are still
-    # divided, without a warning.
-    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    plain.compile("sgd", "mse")
-    plain.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
-    other = keras.Variable([1.0])
-    with tf.GradientTape() as tape:
-        loss = 3.0 * other[0]
-    tape.gradient(loss, [other])
+def test_hand_scaled_gradients_are_divided_as_in_keras():
+    # Keras' own test_finite_step: gradients scaled by hand, no scale_loss.
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
     w = keras.Variable([1.0, 2.0, 3.0, 4.0])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with pytest.warns(UserWarning, match="divided gradients"):
         optimizer.apply([ops.array([1.0, 6.0, 7.0, 2.0]) * optimizer.initial_scale], [w])
     np.testing.assert_allclose(np.asarray(w), [0.5, -1.0, -0.5, 3.0])
+
+
+def test_importing_kmp_changes_no_tensorflow_or_keras_attribute():
+    # Issue 23: what kmp changed before (GradientTape.gradient on import,
+    # Keras optimizers' _all_reduce_sum_gradients when training) stays
+    # Keras' and TensorFlow's own, in a fresh process.
+    import subprocess
+    import sys
+
+    code = (
+        "import tensorflow as tf, keras\n"
+        "def foreign():\n"
+        "    name = '_all_reduce_sum_gradients'\n"
+        "    owner = next(k for k in keras.optimizers.SGD.__mro__ if name in vars(k))\n"
+        "    return [tf.GradientTape.gradient, vars(owner)[name]]\n"
+        "before = foreign()\n"
+        "import numpy as np, kmp\n"
+        "assert all(a is b for a, b in zip(before, foreign())), 'changed on import'\n"
+        "kmp.set_policy('mixed_float16')\n"
+        "class Step(kmp.Model):\n"
+        "    def train_step(self, data):\n"
+        "        return super().train_step(data)\n"
+        "steps = [vars(kmp.Model)['train_step'], vars(Step)['train_step']]\n"
+        "inputs = keras.Input((2,))\n"
+        "model = Step(inputs, keras.layers.Dense(1)(inputs))\n"
+        "model.compile('sgd', 'mse')\n"
+        "model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)\n"
+        "assert all(a is b for a, b in zip(before, foreign())), 'changed by fit'\n"
+        "assert steps[0] is vars(kmp.Model)['train_step'], 'kmp.Model.train_step rewrapped'\n"
+        "assert steps[1] is vars(Step)['train_step'], 'the subclass train_step rewrapped'\n"
+        "print('unchanged')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.stdout.strip().endswith("unchanged"), result.stderr[-2000:]
 
 
 def test_scaled_and_hand_scaled_gradients_are_divided_in_a_tf_function():
@@ -463,5 +511,6 @@ def test_scaled_and_hand_scaled_gradients_are_divided_in_a_tf_function():
         step()
         step()
         np.testing.assert_allclose(np.asarray(w), [-1.0])
+    with pytest.warns(UserWarning, match="divided gradients"):
         optimizer.apply([ops.array([8.0 * 2.0])], [w])  # by hand: divided, as in Keras
     np.testing.assert_allclose(np.asarray(w), [-2.0])

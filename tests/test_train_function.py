@@ -174,3 +174,48 @@ def test_an_empty_iterator_ends_the_epoch_and_changes_nothing(settings):
     assert int(model.optimizer.iterations) == 1
     for before, after in zip(weights, model.weights):
         np.testing.assert_array_equal(after.numpy(), before)
+
+
+@pytest.mark.parametrize("unrolled", [1, 3, 4])
+def test_kmp_function_honours_unrolled_steps_per_execution_as_keras(unrolled):
+    # kmp's own function runs several steps per call under
+    # MultiWorkerMirroredStrategy; with Keras' `unrolled_steps_per_execution`
+    # (Keras 3.7+) it takes the same steps as Keras' own function: 4 per call,
+    # then the 1 the data has left (3 does not divide 4: a guarded step runs
+    # nothing past the end).
+    x, y, _ = _arrays(40)
+    dataset = tf.data.Dataset.from_tensor_slices((x, keras.ops.one_hot(y, 3))).batch(8)
+    results = {}
+    for model_class in (kmp.Model, keras.Model):
+        model = _model(model_class)
+        model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=4)
+        model.unrolled_steps_per_execution = unrolled
+        if model_class is kmp.Model:
+            function = kmp.distribute.make_function(model, model.train_step)
+        else:
+            model.make_train_function()
+            function = model.train_function
+        iterator = iter(dataset)
+        logs = [function(iterator) for _ in range(2)]
+        results[model_class] = (
+            int(model.optimizer.iterations), [w.numpy() for w in model.weights],
+            float(logs[-1]["loss"]),
+        )
+    assert results[kmp.Model][0] == results[keras.Model][0] == 5
+    for ours, theirs in zip(results[kmp.Model][1], results[keras.Model][1]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    assert results[kmp.Model][2] == pytest.approx(results[keras.Model][2], rel=1e-6)
+    # Unrolled: the loop's body calls the step `unrolled` times (plus the
+    # call's first step, before the loop).
+    model = _model(kmp.Model)
+    model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=4)
+    model.unrolled_steps_per_execution = unrolled
+    function = kmp.distribute.make_function(model, model.train_step)
+    graph = function.get_concrete_function(iter(dataset)).graph.as_graph_def()
+    step_calls = sum(
+        node.attr["f"].func.name.find("one_step_on_data") >= 0
+        for nodes in [graph.node] + [f.node_def for f in graph.library.function]
+        for node in nodes
+        if node.op in ("StatefulPartitionedCall", "PartitionedCall")
+    )
+    assert step_calls == 1 + unrolled

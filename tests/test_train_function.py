@@ -99,11 +99,13 @@ def _fit(model_class, kind, *, jit_compile=False, epochs=2):
 def test_fit_gives_what_keras_gives_for_every_input_kind(kind):
     try:
         reference, expected, expected_batches, expected_warnings = _fit(keras.Model, kind)
-    except AttributeError as error:
+    except (AttributeError, ValueError) as error:
         if kind != "generator_none_weights":
             raise
         # Keras 3.10's generator adapter fails on a None in a batch
-        # ("'NoneType' object has no attribute 'shape'"), for keras.Model too.
+        # ("'NoneType' object has no attribute 'shape'"), and Keras 3.11's
+        # ("the arrays must be at least rank 1. Received: None of rank 0"),
+        # for keras.Model too: the reference itself cannot run.
         pytest.skip(f"this Keras ({keras.version()}) cannot read None from a generator: {error}")
     model, history, batches, caught = _fit(kmp.Model, kind)
 

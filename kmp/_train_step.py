@@ -49,7 +49,7 @@ def reporting_scalers(model, train_step, own):
     """
     @functools.wraps(train_step)
     def train_step_with_scaler_logs(data):
-        if getattr(model, "_kmp_overflow_retries", 0) and not own:
+        if _asked_retries(model) not in ("auto", 0) and not own:
             raise ValueError(
                 "`overflow_retries` redoes batches in kmp.Model's own train_step; "
                 f"{type(model).__name__} overrides `train_step`, whose metrics and "
@@ -69,7 +69,8 @@ def reporting_scalers(model, train_step, own):
                 optimizer._record.in_model_step = False
         applied = [optimizer for optimizer in scalers if optimizer._record.applied]
         if applied and isinstance(logs, dict):
-            logs = dict(logs, **scaler_logs(model, applied))
+            retrying = own and retry_budget(model, model.optimizer) is not None
+            logs = dict(logs, **scaler_logs(model, applied, retrying))
         return logs
 
     return train_step_with_scaler_logs
@@ -128,8 +129,8 @@ def run_train_step(model, data, keras_train_step):
         or skipped_losses is None
     ):
         return keras_train_step(data)
-    retries = getattr(model, "_kmp_overflow_retries", 0)
-    if retries:
+    retries = retry_budget(model, optimizer)
+    if retries is not None:
         _retry_overflows(model, data, optimizer, retries, keras_train_step)
     else:
         _one_attempt(model, data, optimizer, keras_train_step)
@@ -171,6 +172,42 @@ def _one_attempt(model, data, optimizer, keras_train_step):
         sample_weight=ops.cast(dropped, "float32"),
     )
     return loss, retry
+
+
+# `overflow_retries="auto"`: retries for the first batch, until its gradients
+# are finite or the scale reaches `min_scale` (2**24 to 1 takes 24 halvings),
+# so that no batch is lost while the scale settles; then one per batch, so a
+# rare overflowing batch is redone once at the backed-off scale instead of
+# dropped (the scale moves as it would have for the skip).
+_SETTLING_RETRIES = 32
+_AUTO_RETRIES = 1
+
+
+def _asked_retries(model):
+    return getattr(model, "_kmp_overflow_retries", "auto")
+
+
+def retry_budget(model, optimizer):
+    """The retries a batch of `model`'s own train step gets, or `None` (none).
+
+    `compile(overflow_retries=n)`: `n` (`None` for 0). `"auto"`: where a retry
+    can run (a dynamic kmp scaler without gradient accumulation, and a step
+    without `merge_call`), an int32 tensor: `_SETTLING_RETRIES` until a step
+    has been applied, then `_AUTO_RETRIES`; elsewhere `None`.
+    """
+    asked = _asked_retries(model)
+    if asked != "auto":
+        return asked or None
+    if (
+        not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
+        or not optimizer.enabled
+        or not optimizer.dynamic
+        or getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None)
+        or not tf.__internal__.distribute.strategy_supports_no_merge_call()
+    ):
+        return None
+    settled = ops.greater(optimizer.iterations, 0)
+    return ops.cast(ops.where(settled, _AUTO_RETRIES, _SETTLING_RETRIES), "int32")
 
 
 def _retry_overflows(model, data, optimizer, retries, keras_train_step):
@@ -217,12 +254,13 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     optimizer._record.last_loss = loss
 
 
-def scaler_logs(model, applied):
+def scaler_logs(model, applied, retrying=False):
     """The logs of the loss scalers that applied in a train step.
 
-    One scaler: `loss_scale` and `skipped_steps` (plus the monitor's
-    per-step values while one watches). Several (a GAN's): each named
-    after its attribute, `d_optimizer_loss_scale`, ...
+    One scaler: `loss_scale` and `skipped_steps` (plus `retried_steps` when
+    `retrying`, and the monitor's per-step values while one watches).
+    Several (a GAN's): each named after its attribute,
+    `d_optimizer_loss_scale`, ...
     """
     names = {id(opt): name for name, opt in _optimizers.scaling_optimizers(model).items()}
     scalers = [
@@ -233,7 +271,7 @@ def scaler_logs(model, applied):
         prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
         logs[prefix + "loss_scale"] = optimizer.loss_scale
         logs[prefix + "skipped_steps"] = optimizer.skipped_steps
-        if getattr(model, "_kmp_overflow_retries", 0):
+        if retrying:
             logs[prefix + "retried_steps"] = optimizer.counters["retries"]
     loss = scalers[0]._record.last_loss if len(scalers) == 1 else None
     if (

@@ -708,12 +708,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> w = keras.Variable([1.0])
     >>> with tf.GradientTape() as tape:
     ...     loss = optimizer.scale_loss(0.5 * w[0])
-    >>> optimizer.apply(tape.gradient(loss, [w]), [w])
+    >>> bool(optimizer.apply(tape.gradient(loss, [w]), [w]))  # applied
+    True
     >>> round(float(w[0]), 6), float(optimizer.loss_scale)
     (0.995, 8.0)
     >>> with tf.GradientTape() as tape:
     ...     loss = optimizer.scale_loss(w[0] * float("inf"))
-    >>> optimizer.apply(tape.gradient(loss, [w]), [w])  # skipped
+    >>> bool(optimizer.apply(tape.gradient(loss, [w]), [w]))  # skipped
+    False
     >>> round(float(w[0]), 6), int(optimizer.skipped_steps), float(optimizer.loss_scale)
     (0.995, 1, 4.0)
     """
@@ -851,6 +853,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             grads: List of gradients of `scale_loss(loss)` (or scaled by hand).
             trainable_variables: List of variables, or `None` for the ones the
                 optimizer was built with.
+
+        Returns:
+            Boolean scalar tensor: whether the step was applied. A loop can
+            redo a skipped batch (the scale has backed off already):
+            `if not optimizer.apply(grads): ...`.
         """
         trainable_variables = list(
             self._trainable_variables if trainable_variables is None else trainable_variables
@@ -868,7 +875,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         record.applied, record.last_loss = True, loss
         if not self.enabled:
             self.inner_optimizer.apply(grads, trainable_variables)
-            return
+            return ops.convert_to_tensor(True)
         if not (scaled or divided):
             _warn_once(self, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
         retries_left = record.retries_left
@@ -884,6 +891,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                                           retries_left=retries_left),
             grads, trainable_variables, loss,
         )
+        return record.finite
 
     def _monitor_state(self):
         """`(counters, nonfinite_gradients)` for `kmp.callbacks.LossScaleMonitor`:

@@ -55,6 +55,32 @@ def _loss_scale_optimizer(optimizer, loss_scale, model):
     )
 
 
+def _continue_scaling(model, previous, scaler):
+    """Starts `scaler` (made by a recompile) at `previous`'s scale and counters.
+
+    A fine-tune compiles again with a new optimizer; a fresh scaler would
+    start at 2**15 again and drop the batches that overflow until it has
+    backed off to where the last one was. A scaler the user passes starts
+    as it was made.
+    """
+    if not (
+        isinstance(previous, loss_scale_module.LossScaleOptimizer)
+        and isinstance(scaler, loss_scale_module.LossScaleOptimizer)
+        and previous.built
+        and previous.dynamic
+        and scaler.dynamic
+        and model.built
+    ):
+        return
+    with model.distribute_strategy.scope():
+        if not scaler.built:
+            scaler.build(model.trainable_variables)
+        scaler._loss_scale.assign(
+            min(max(float(previous.loss_scale), scaler.min_scale), scaler.max_scale)
+        )
+        scaler._counters.assign(previous._counters.value)
+
+
 def _check_loss_scale(loss_scale):
     if loss_scale in (None, "auto", "dynamic"):
         return
@@ -73,14 +99,16 @@ def _check_loss_scale(loss_scale):
 
 
 def _check_overflow_retries(overflow_retries):
+    if overflow_retries == "auto":
+        return
     if (
         isinstance(overflow_retries, bool)
         or not isinstance(overflow_retries, numbers.Integral)
         or not 0 <= overflow_retries <= _INT32_MAX
     ):
         raise ValueError(
-            f"`overflow_retries` must be an integer in [0, {_INT32_MAX}] (0: a batch whose "
-            "gradients overflow is dropped at once). Received: "
+            f"`overflow_retries` must be 'auto' or an integer in [0, {_INT32_MAX}] (0: a "
+            "batch whose gradients overflow is dropped at once). Received: "
             f"overflow_retries={overflow_retries!r}"
         )
 
@@ -178,7 +206,8 @@ class Model(keras.Model):
         _precision.settle_once(self)
         return _to_float32(super().__call__(*args, **kwargs))
 
-    def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries=0, **kwargs):
+    def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries="auto",
+                **kwargs):
         """Configures the model for training, with loss scaling.
 
         Takes every argument of `keras.Model.compile`, plus `loss_scale` and
@@ -188,20 +217,29 @@ class Model(keras.Model):
             optimizer: As for `keras.Model.compile`. A
                 `kmp.LossScaleOptimizer` is used as given; Keras'
                 `LossScaleOptimizer` is replaced by kmp's with the same inner
-                optimizer and settings.
+                optimizer and settings. Compiling a trained model again (a
+                fine-tune) with an optimizer kmp wraps keeps the loss
+                scale and counters of the scaler before.
             loss_scale: `"auto"` (the default): dynamic loss scaling when the
                 model computes in float16, none otherwise. `"dynamic"`: dynamic
                 scaling whatever the dtype. A number in (0, float32 max]: a
                 fixed scale (non-finite steps are still skipped). `None`: no
                 scaling.
-            overflow_retries: Int in [0, 2**31 - 1]. A step whose gradients overflow
-                while its loss is finite backs the dynamic scale off and
-                redoes the same batch, up to this many times, before the
-                batch is dropped (counted in `skipped_steps`; retries are
-                counted in `retried_steps`). A step whose loss itself is not
-                finite is skipped at once. Needs a train step without
-                `merge_call` (no strategy, OneDeviceStrategy, or
-                MirroredStrategy on GPUs under XLA). Defaults to `0`.
+            overflow_retries: `"auto"` or an int in [0, 2**31 - 1]. A step
+                whose gradients overflow while its loss is finite backs the
+                dynamic scale off and redoes the same batch, up to this many
+                times, before the batch is dropped (counted in
+                `skipped_steps`; retries are counted in `retried_steps`). A
+                step whose loss itself is not finite is skipped at once. An
+                int needs a train step without `merge_call` (no strategy,
+                OneDeviceStrategy, or MirroredStrategy on GPUs under XLA) and
+                kmp.Model's own `train_step`. `"auto"` (the default): where
+                those hold, the scale finds its level on the first batch
+                (redone until its gradients are finite or the scale reaches
+                `min_scale`, so no batch is lost while the scale settles),
+                and every later batch gets one retry; elsewhere no retries.
+                Recompiling keeps the scaler's scale and counters (see
+                `optimizer`).
             **kwargs: The other arguments of `keras.Model.compile`.
                 `auto_scale_loss=False` means `loss_scale=None`.
 
@@ -217,10 +255,14 @@ class Model(keras.Model):
         if kwargs.pop("auto_scale_loss", True) is False and loss_scale == "auto":
             loss_scale = None
         optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
+        given = optimizer
         optimizer = _loss_scale_optimizer(optimizer, loss_scale, self)
+        previous = getattr(self, "optimizer", None)
         self._kmp_loss_scale = loss_scale
         self._kmp_overflow_retries = overflow_retries
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
+        if optimizer is not given:  # kmp made this scaler: it goes on from the last one
+            _continue_scaling(self, previous, optimizer)
         # The mean loss of the epoch's skipped steps (see `train_step`); not
         # one of the model's metrics, so not in the logs itself.
         object.__setattr__(self, "_kmp_skipped_losses", keras.metrics.Mean(name="skipped_loss"))
@@ -229,7 +271,7 @@ class Model(keras.Model):
         config = super().get_compile_config()
         if config:  # Keras returns {} for a model that was never compiled.
             config["loss_scale"] = getattr(self, "_kmp_loss_scale", "auto")
-            config["overflow_retries"] = getattr(self, "_kmp_overflow_retries", 0)
+            config["overflow_retries"] = getattr(self, "_kmp_overflow_retries", "auto")
         return config
 
     def compile_from_config(self, config):

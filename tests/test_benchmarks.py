@@ -381,12 +381,14 @@ def test_retries_benchmark_reports_what_its_runs_measured(tmp_path):
             # Each retry and each dropped backward overflow halved the scale
             # (no growth in so few steps); forward overflows would too.
             assert run["final_loss_scale"] <= 2.0**15
-    # Retries lose no more batches than dropping them.
+    # Retries (three, or the default's) lose no more batches than dropping them.
     for runs in result["lost"].values():
         assert runs["3"]["skipped"] <= runs["0"]["skipped"]
+        assert runs["auto"]["skipped"] <= runs["0"]["skipped"]
     cost = result["cost"]
-    assert cost["overflows"] == {"0": 0, "3": 0}  # nothing to retry while timed
+    assert cost["overflows"] == {"0": 0, "3": 0, "auto": 0}  # nothing to retry while timed
     assert cost["median_ratio"] == statistics.median(cost["ratios"])
+    assert cost["median_ratio_auto"] == statistics.median(cost["ratios_auto"])
     assert len(cost["ratios"]) == cost["rounds"] == 2
 
 

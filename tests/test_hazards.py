@@ -156,14 +156,18 @@ def test_a_forward_overflow_is_never_retried():
     assert int(model.optimizer.skipped_steps) == 1 and int(counters["forward_overflows"]) == 1
 
 
-def test_overflow_retries_must_be_a_non_negative_integer():
+def test_overflow_retries_must_be_auto_or_a_non_negative_integer():
     inputs = keras.Input((4,))
     model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
-    for bad in (-1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match=r"`overflow_retries` must be an integer in \[0, "):
+    for bad in (-1, 1.5, True, "2", "Auto"):
+        with pytest.raises(
+            ValueError, match=r"`overflow_retries` must be 'auto' or an integer in \[0, "
+        ):
             model.compile("sgd", "mse", overflow_retries=bad)
     model.compile("sgd", "mse", overflow_retries=2)
     assert model.get_compile_config()["overflow_retries"] == 2
+    model.compile("sgd", "mse")
+    assert model.get_compile_config()["overflow_retries"] == "auto"
 
 
 def test_overflow_retries_under_a_merge_call_strategy_is_refused_clearly(mirrored_strategy):

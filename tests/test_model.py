@@ -53,6 +53,7 @@ def test_fit_in_mixed_precision(policy, kind, jit_compile):
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
         jit_compile=jit_compile,
+        overflow_retries=0,  # the overflowing batch is skipped, not redone
     )
     x, y = _data()
     model(x[:1])  # built, so that the weights before the first step are known
@@ -90,7 +91,7 @@ def test_loss_scale_too_high_is_backed_off_and_every_skip_counted():
     optimizer = kmp.LossScaleOptimizer(
         keras.optimizers.SGD(0.05), initial_scale=2.0**24, growth_interval=10_000
     )
-    model.compile(optimizer, "sparse_categorical_crossentropy")
+    model.compile(optimizer, "sparse_categorical_crossentropy", overflow_retries=0)
     x, y = _data(n=320)
     steps = TrainableWeightsPerStep()
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[steps])
@@ -151,7 +152,8 @@ def test_tf_data_steps_per_execution_sample_weights():
         model = _functional()
         # A scale at which this model's own gradients stay far below 65504.
         optimizer = kmp.LossScaleOptimizer("adam", initial_scale=2.0**10)
-        model.compile(optimizer, "sparse_categorical_crossentropy", steps_per_execution=3)
+        model.compile(optimizer, "sparse_categorical_crossentropy", steps_per_execution=3,
+                      overflow_retries=0)
         dataset = tf.data.Dataset.from_tensor_slices((x[keep], y[keep], weights[keep])).batch(16)
         return model, dataset, model.fit(dataset, epochs=2, verbose=0)
 

@@ -1,0 +1,173 @@
+"""The scale starts where it should: no batch lost while it settles.
+
+`kmp.Model.compile`'s default `overflow_retries="auto"` redoes the first batch
+until the scale has found its level, then gives each batch one retry; a
+recompile keeps the scaler's state; `apply` says whether a step was applied,
+so a custom loop can redo a batch.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+
+
+def _overflowing_regression(steps, **compile_kwargs):
+    """A float16 regression whose first gradients overflow at 2**15 (targets
+    ~300: d(mse)/dw ~ 600 per unit input, times 2**15 > float16's max) but not
+    at 2**6."""
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(keras.optimizers.SGD(1e-4), "mse", **compile_kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8 * steps, 4)).astype("float32")
+    y = (300.0 + rng.normal(size=(8 * steps, 1))).astype("float32")
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    return model, history
+
+
+def test_the_default_loses_no_batch_while_the_scale_settles():
+    model, history = _overflowing_regression(6)
+    optimizer = model.optimizer
+    assert int(optimizer.skipped_steps) == 0
+    assert int(optimizer.iterations) == 6  # every batch applied
+    retries = int(optimizer.counters["retries"])
+    assert retries >= 5  # the first batch backed the scale off that often
+    # Each retry halved the scale once; nothing grew in six steps.
+    assert float(optimizer.loss_scale) == 2.0**15 / 2**retries
+    assert history["retried_steps"] == [retries] and history["skipped_steps"] == [0]
+    assert np.all(np.isfinite(model.get_weights()[0]))
+
+
+def test_without_retries_the_same_run_drops_the_first_batches():
+    model, history = _overflowing_regression(6, overflow_retries=0)
+    skipped = int(model.optimizer.skipped_steps)
+    assert skipped >= 5 and int(model.optimizer.iterations) == 6 - skipped
+    assert "retried_steps" not in history
+
+
+def test_after_the_first_applied_step_auto_gives_one_retry():
+    from kmp import _train_step
+
+    model, _ = _overflowing_regression(2)
+    assert int(_train_step.retry_budget(model, model.optimizer)) == _train_step._AUTO_RETRIES == 1
+    fresh = kmp.LossScaleOptimizer(keras.optimizers.SGD())
+    assert int(_train_step.retry_budget(model, fresh)) == _train_step._SETTLING_RETRIES
+
+
+def test_auto_has_no_retries_where_they_cannot_run(mirrored_strategy):
+    from kmp import _train_step
+
+    kmp.set_policy("mixed_float16")
+    with mirrored_strategy.scope():
+        inputs = keras.Input((4,))
+        model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile("sgd", "mse")  # the default: no error under merge_call
+    assert model.get_compile_config()["overflow_retries"] == "auto"
+    with mirrored_strategy.scope():
+        assert _train_step.retry_budget(model, model.optimizer) is None
+    fixed = kmp.LossScaleOptimizer("sgd", dynamic=False)
+    assert _train_step.retry_budget(model, fixed) is None
+
+
+def test_a_rare_overflowing_batch_moves_the_scale_as_a_skip_would():
+    """A batch that overflows at the settled scale (one batch of 8 with a
+    target 64x larger) is redone once at half the scale instead of dropped:
+    the scale ends where dropping it would have left it."""
+    def run(**compile_kwargs):
+        kmp.set_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(kmp.LossScaleOptimizer(keras.optimizers.SGD(1e-6), initial_scale=256.0),
+                      "mse", **compile_kwargs)
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(64, 4)).astype("float32")
+        y = np.full((64, 1), 3.0, "float32")
+        y[40:48] = 3.0 * 64
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        return model.optimizer
+
+    dropped, retried = run(overflow_retries=0), run()
+    assert int(dropped.skipped_steps) == 1 and int(dropped.iterations) == 7
+    assert int(retried.skipped_steps) == 0 and int(retried.iterations) == 8
+    assert int(retried.counters["retries"]) == 1
+    assert float(retried.loss_scale) == float(dropped.loss_scale) == 128.0
+
+
+def test_recompiling_keeps_the_scale_and_counters():
+    model, _ = _overflowing_regression(3, overflow_retries=0)
+    before = model.optimizer
+    scale, counters = float(before.loss_scale), before._counters.numpy()
+    assert scale < 2.0**15 and counters[2] > 0  # it backed off and skipped
+
+    model.compile(keras.optimizers.SGD(1e-5), "mse")  # a fine-tune
+    assert model.optimizer is not before
+    assert float(model.optimizer.loss_scale) == scale
+    np.testing.assert_array_equal(model.optimizer._counters.numpy(), counters)
+    assert int(model.optimizer.skipped_steps) == int(before.skipped_steps)
+
+    # A scaler the user passes starts as it was made.
+    model.compile(kmp.LossScaleOptimizer(keras.optimizers.SGD(1e-5)), "mse")
+    assert float(model.optimizer.loss_scale) == 2.0**15
+    assert int(model.optimizer.skipped_steps) == 0
+
+
+def test_a_fine_tune_after_recompiling_loses_no_batch():
+    model, _ = _overflowing_regression(4)  # the scale settles on the first batch
+    settled = float(model.optimizer.loss_scale)
+    # The same batches again, without retries: at the settled scale they pass;
+    # a fresh scaler at 2**15 would drop the first ones again.
+    model.compile(keras.optimizers.SGD(1e-5), "mse", overflow_retries=0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = (300.0 + rng.normal(size=(32, 1))).astype("float32")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert int(model.optimizer.skipped_steps) == 0
+    assert int(model.optimizer.iterations) == 4
+    assert float(model.optimizer.loss_scale) == settled
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_apply_says_whether_the_step_was_applied_and_a_loop_can_redo_it(traced):
+    # d(loss)/dw = 2e34: finite times 2**14, inf (float32) times 2**15.
+    w = keras.Variable([1.0])
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(1e-36))
+
+    def train_on(batch_weight):
+        # The README's loop recipe: redo a batch whose gradients overflowed.
+        for _ in range(4):
+            with tf.GradientTape() as tape:
+                scaled_loss = optimizer.scale_loss(batch_weight * w[0])
+            grads = tape.gradient(scaled_loss, [w])
+            applied = optimizer.apply(grads, [w])
+            if not traced and applied:
+                break
+        return applied
+
+    if traced:
+        step = tf.function(lambda: optimizer.apply(
+            tape_gradients(optimizer, w, 2e34), [w]))
+        first = step()
+        assert isinstance(first, tf.Tensor) and first.dtype == tf.bool
+        assert not bool(first) and bool(step())
+    else:
+        assert bool(train_on(2e34))
+    assert int(optimizer.skipped_steps) == 1 and int(optimizer.iterations) == 1
+    assert float(optimizer.loss_scale) == 2.0**14
+    np.testing.assert_allclose(w.numpy(), [1.0 - 1e-36 * 2e34], rtol=1e-6)
+
+
+def tape_gradients(optimizer, w, batch_weight):
+    with tf.GradientTape() as tape:
+        scaled_loss = optimizer.scale_loss(batch_weight * w[0])
+    return tape.gradient(scaled_loss, [w])
+
+
+def test_apply_without_scaling_says_applied():
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), enabled=False)
+    w = keras.Variable([1.0])
+    assert bool(optimizer.apply([tf.constant([1.0])], [w]))

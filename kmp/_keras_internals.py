@@ -97,3 +97,138 @@ def keep_logits(source, result):
     except AttributeError:  # a tensor type that takes no attributes
         pass
     return result
+
+
+# --- a model's layers, nested ones included ---
+
+
+def nested_layers(layer, *, include_self, recursive):
+    """The layers inside `layer` (and `layer` itself for `include_self=True`).
+
+    `Layer._flatten_layers` (Keras 3.0 on): every layer a layer tracks, each
+    once, in tracking order; `recursive=False` gives only those it holds
+    directly. `model.layers` lists a model's direct layers only, and no public
+    API lists the layers nested in them, where kmp settles precision, protects
+    token ids, converts policies and reports dtypes.
+    """
+    return layer._flatten_layers(include_self=include_self, recursive=recursive)
+
+
+def call_takes_training(layer):
+    """Whether `layer.call` has a `training` argument.
+
+    `Layer._call_has_training_arg` (Keras 3.0 on), set from `call`'s
+    signature when the layer is made. `kmp.convert`'s wrapper of a model
+    passes `training=` on only where Keras itself would (a `call` without
+    the argument raises on it).
+    """
+    return layer._call_has_training_arg
+
+
+def producing_layer(tensor):
+    """The layer whose output `tensor` (a `KerasTensor`) is.
+
+    `KerasTensor._keras_history.operation` (Keras 3.0 on): no public API
+    tells which layer made a functional model's output; `kmp.diagnose`
+    names it in its finding about a 16-bit output.
+    """
+    return tensor._keras_history.operation
+
+
+def compile_arguments(model):
+    """The arguments `model.compile` recorded for `get_compile_config`, as a
+    dict kmp may change in place, or `None` if it recorded none.
+
+    `Trainer._compile_config` (Keras 3.0 on), a `SerializableDict` whose
+    `config` holds them. When `kmp.load_model` wraps a loaded optimizer in a
+    `kmp.LossScaleOptimizer`, it puts the wrapper there, so that the next
+    save records the optimizer whose state it writes; `get_compile_config`
+    returns a serialized copy, which would not.
+    """
+    compile_config = getattr(model, "_compile_config", None)
+    return None if compile_config is None else compile_config.config
+
+
+def set_initial_epoch(model, epoch):
+    """Makes `model.fit` start at `epoch`, as Keras' `BackupAndRestore` does.
+
+    `Trainer._initial_epoch` (Keras 3.0 on): `fit` reads it, when set, in
+    place of its `initial_epoch` argument; it is how Keras' own callback
+    resumes, and `kmp.callbacks.BackupAndRestore` resumes the same way.
+    """
+    model._initial_epoch = epoch
+
+
+# --- the crash-safe callbacks (kmp/checkpoint.py) ---
+
+
+class BackupAndRestoreBase(keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` with its restore and save handed to
+    kmp, and its state under names kmp owns.
+
+    Keras' callback restores in `_load_model` and saves in `_save_model`,
+    which its own `on_train_batch_end` calls for an integer `save_freq`
+    (both from Keras 3.0 to 3.15). A subclass defines `_kmp_load_backup` and
+    `_kmp_save_backup`, so that every restore and save, Keras' own calls
+    included, goes through kmp's checks, lock and atomic writes.
+    `_current_epoch` and `_last_batch_seen` are the epoch and batch a backup
+    records (Keras' `on_epoch_end` and `_should_save_on_batch` keep them),
+    `_training_metadata_path` where it records them.
+    """
+
+    def _load_model(self):
+        self._kmp_load_backup()
+
+    def _save_model(self):
+        self._kmp_save_backup()
+
+    def _kmp_load_backup(self):
+        raise NotImplementedError(f"{type(self).__name__} restores nothing: define `_kmp_load_backup`.")
+
+    def _kmp_save_backup(self):
+        raise NotImplementedError(f"{type(self).__name__} saves nothing: define `_kmp_save_backup`.")
+
+    @property
+    def _kmp_current_epoch(self):
+        return self._current_epoch
+
+    @_kmp_current_epoch.setter
+    def _kmp_current_epoch(self, epoch):
+        self._current_epoch = epoch
+
+    @property
+    def _kmp_last_batch_seen(self):
+        return self._last_batch_seen
+
+    @_kmp_last_batch_seen.setter
+    def _kmp_last_batch_seen(self, batch):
+        self._last_batch_seen = batch
+
+    @property
+    def _kmp_training_metadata_path(self):
+        return self._training_metadata_path
+
+    @_kmp_training_metadata_path.setter
+    def _kmp_training_metadata_path(self, path):
+        self._training_metadata_path = path
+
+
+class ModelCheckpointBase(keras.callbacks.ModelCheckpoint):
+    """`keras.callbacks.ModelCheckpoint` whose writing of a checkpoint is
+    kmp's.
+
+    Keras' callback saves in `_save_model(epoch, batch, logs)`, for every
+    checkpoint (Keras 3.0 to 3.15); here it chooses the file as Keras does
+    (`_get_file_path`) and decides as Keras does whether to save
+    (`_should_save_model`, which also tracks `best` and prints Keras'
+    messages), then hands the writing to the subclass's
+    `_kmp_write_checkpoint(filepath, epoch)`.
+    """
+
+    def _save_model(self, epoch, batch, logs):
+        filepath = self._get_file_path(epoch, batch, logs)
+        if self._should_save_model(epoch, batch, logs, filepath):
+            self._kmp_write_checkpoint(filepath, epoch)
+
+    def _kmp_write_checkpoint(self, filepath, epoch):
+        raise NotImplementedError(f"{type(self).__name__} writes nothing: define `_kmp_write_checkpoint`.")

@@ -13,6 +13,7 @@ import textwrap
 
 import keras
 
+from kmp import _keras_internals
 from kmp import _token_ids
 from kmp._float16 import FLOAT16_SMALLEST_NORMAL
 from kmp._float16 import OVERFLOW_AT
@@ -112,7 +113,7 @@ def static_findings(model, reduced):
 def _all_layers(model):
     return [
         layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
+        for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True)
         if not isinstance(layer, (keras.layers.InputLayer, keras.Model))
     ]
 
@@ -195,7 +196,7 @@ def _output_findings(model, reduced):
     for tensor in keras.tree.flatten(reduced.outputs):
         dtype = keras.backend.standardize_dtype(tensor.dtype)
         if dtype != "float32":
-            layer = tensor._keras_history.operation
+            layer = _keras_internals.producing_layer(tensor)
             findings.append(_finding(
                 "output dtype", layer,
                 f"the model output is {dtype}, so the loss is computed from "

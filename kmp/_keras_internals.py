@@ -1,16 +1,44 @@
-"""The Keras internals kmp uses, in one place.
+"""The Keras and TensorFlow internals kmp uses, in one place.
 
-Everything else in kmp uses Keras' public API (`keras.*`, `keras.ops`,
-`keras.tree`). The names imported below live under `keras.src`, which Keras
-may change in any release; when one moves, this module is the only one to
-mend. `tests/test_api.py` checks that no other kmp module imports from
-`keras.src`. CI runs the core tests against the oldest Keras pyproject.toml
-admits (3.10) and the newest (see README, "Tested with").
+Everything else in kmp uses Keras' and TensorFlow's public API (`keras.*`,
+`keras.ops`, `keras.tree`, `tf.*`). What it cannot do there, it does here:
+the names imported below from `keras.src`, and the private attributes and
+methods that the functions and classes below read, set or override. Keras
+may change any of them in any release; when one moves, this module is the
+only one to mend. `tests/test_boundary.py` fails on a private Keras or
+TensorFlow name (attribute, override, private module) used in any other kmp
+module, and on one used here that this docstring does not name;
+`tests/test_api.py` fails on an import of `keras.src` anywhere else. CI
+(`.ci/run`) runs the core tests on every Keras minor release pyproject.toml
+admits, 3.10 through 3.15, each with a TensorFlow it installs with (3.10
+with TensorFlow 2.19, 3.11 with 2.20, 3.12 to 3.15 with the newest), so a
+name that moves in any of them fails there (see README, "Tested with").
 
-Private *attributes* of public Keras objects that kmp reads, and why (each is
-present from Keras 3.10 to 3.15):
+Private names of Keras objects used here, and why (each is present from
+Keras 3.10 to 3.15, most since 3.0; the function or class that uses it
+says more):
 
-| attribute | where | why |
+| name | here | used by | why |
+|---|---|---|---|
+| `Layer._flatten_layers` | `nested_layers` | `policy.py`, `_precision.py`, `_token_ids.py`, `convert.py`, `export.py`, `diagnose.py`, `_diagnose_static.py` | every nested layer, which `model.layers` does not list |
+| `Layer._call_has_training_arg` | `call_takes_training` | `convert.py` | call a wrapped model as Keras would |
+| `Layer._convert_input_args` | `converts_inputs` | `_precision.py` | whether a float32 layer's consumer casts its outputs back to 16 bits itself |
+| `KerasTensor._keras_history` | `producing_layer` | `_diagnose_static.py` | which layer produced a functional model's output |
+| `Trainer._compile_config` | `compile_arguments` | `export.py` | `kmp.load_model`'s `LossScaleOptimizer` recorded for the next save |
+| `Trainer._initial_epoch` | `set_initial_epoch` | `checkpoint.py` | the epoch `fit` resumes from, set as Keras' own `BackupAndRestore` sets it |
+| `BackupAndRestore._load_model`, `_save_model` (overridden) | `BackupAndRestoreBase` | `checkpoint.py` | the restore and the save Keras' callback calls (its `on_train_batch_end` for an integer `save_freq`): kmp's check, lock and atomic write (`_kmp_load_backup`, `_kmp_save_backup`) |
+| `BackupAndRestore._current_epoch`, `_last_batch_seen`, `_training_metadata_path` | `BackupAndRestoreBase`'s `_kmp_*` properties | `checkpoint.py` | the epoch and batch a backup records, which Keras' `on_epoch_end` and `_should_save_on_batch` keep too, reset at each `on_train_begin`; where kmp records them |
+| `ModelCheckpoint._save_model` (overridden), `_get_file_path`, `_should_save_model` | `ModelCheckpointBase` | `checkpoint.py` | the save Keras' callback calls for every checkpoint: the file and whether to save stay Keras', the write is kmp's atomic one (`_kmp_write_checkpoint`) |
+| `Tensor._keras_logits` | `keep_logits` | `policy.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
+
+`_token_ids.py` also overrides `DTypePolicy.convert_input` (public) in kmp's
+own `_ExactIdsPolicy`: Keras' autocast of a layer's inputs, so that a layer
+holding an embedding hands float32 ids on unrounded.
+
+Still used outside this module, and listed so that nothing is unwritten
+(issue 23 moves them here with the rewrite of the scaler and the step):
+
+| name | used by | why |
 |---|---|---|
 | `Optimizer._iterations` | `loss_scale.py` | the micro-step count; `iterations` counts windows |
 | `Optimizer._backend_reset_gradient_accumulators` | `loss_scale.py` | discard a window with an overflow |
@@ -18,23 +46,12 @@ present from Keras 3.10 to 3.15):
 | `Optimizer._filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
 | `Optimizer._get_variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
 | `Optimizer._overwrite_variable_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
-| `Layer._flatten_layers` | `policy.py`, `_precision.py`, `_token_ids.py`, `convert.py`, `export.py`, diagnose | every nested layer, which `model.layers` does not list |
-| `Layer._call_has_training_arg` | `convert.py` | call a wrapped model as Keras would |
-| `Layer._dtype_policy` | `policy.py` | set a layer's policy without Keras' once-only checks |
-| `DTypePolicy.convert_input` (overridden in kmp's own `_ExactIdsPolicy`) | `_token_ids.py` | Keras' autocast of a layer's inputs: a layer holding an embedding hands float32 ids on unrounded |
-| `Layer._convert_input_args` (`converts_inputs`, i23-precision) | `_precision.py` | whether a float32 layer's consumer casts its outputs back to 16 bits itself |
-| `KerasTensor._keras_history` | `_diagnose_static.py` | which layer produced a functional model's tensor |
-| `Model._distribute_strategy`, `Model._symbolic_build` | `model.py`, `distribute.py` | build across workers, where Keras' own build fails |
-| `ModelCheckpoint._get_file_path`, `_should_save_model`; `BackupAndRestore._training_metadata_path`, `_initial_epoch` | `checkpoint.py` | resume where Keras' own callbacks keep their state |
-| `BackupAndRestore._load_model`, `_save_model` (overridden) | `checkpoint.py` | the restore and the save Keras' callback calls (its `on_train_batch_end` for an integer `save_freq`): kmp's check, lock and write atomically |
-| `BackupAndRestore._current_epoch`, `_last_batch_seen` | `checkpoint.py` | the epoch and batch a backup records, which Keras' `_should_save_on_batch` keeps too; reset at each `on_train_begin` |
-| `ModelCheckpoint._save_model` (overridden) | `checkpoint.py` | the save Keras' callback calls for every checkpoint: kmp's writes atomically |
-| `Model._initial_epoch` | `checkpoint.py` | the epoch `fit` resumes from, set as Keras' own `BackupAndRestore` sets it |
-| `Tensor._keras_logits` (`keep_logits`) | `policy.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
-
-One TensorFlow function attribute: `_noinline` (`tf.function(experimental_attributes=...)`,
-`distribute.py`), so that a train step starts only once its batch has arrived
-(`tests/test_train_function.py` fails if TensorFlow inlines it again).
+| TF `Optimizer._all_reduce_sum_gradients` | `_replicas.py` | switched off while kmp applies gradients it summed already (one all-reduce per step) |
+| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `_replicas.py`, `_train_step.py` | whether a step can run without `merge_call` (retries, kmp's own all-reduce) |
+| `tf.compat.v1.get_default_graph` | `_loss_record.py` | whether a recorded loss belongs to the graph being traced |
+| `Model._loss_tracker` | `_train_step.py` | whether a step computed a loss, for the loss a skipped step logs |
+| `Model._maybe_symbolic_build` (overridden), `_distribute_strategy`, `_symbolic_build` | `model.py`, `distribute.py` | build across workers, where Keras' own build fails |
+| `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 """
 
 import keras
@@ -96,3 +113,138 @@ def keep_logits(source, result):
     except AttributeError:  # a tensor type that takes no attributes
         pass
     return result
+
+
+# --- a model's layers, nested ones included ---
+
+
+def nested_layers(layer, *, include_self, recursive):
+    """The layers inside `layer` (and `layer` itself for `include_self=True`).
+
+    `Layer._flatten_layers` (Keras 3.0 on): every layer a layer tracks, each
+    once, in tracking order; `recursive=False` gives only those it holds
+    directly. `model.layers` lists a model's direct layers only, and no public
+    API lists the layers nested in them, where kmp settles precision, protects
+    token ids, converts policies and reports dtypes.
+    """
+    return layer._flatten_layers(include_self=include_self, recursive=recursive)
+
+
+def call_takes_training(layer):
+    """Whether `layer.call` has a `training` argument.
+
+    `Layer._call_has_training_arg` (Keras 3.0 on), set from `call`'s
+    signature when the layer is made. `kmp.convert`'s wrapper of a model
+    passes `training=` on only where Keras itself would (a `call` without
+    the argument raises on it).
+    """
+    return layer._call_has_training_arg
+
+
+def producing_layer(tensor):
+    """The layer whose output `tensor` (a `KerasTensor`) is.
+
+    `KerasTensor._keras_history.operation` (Keras 3.0 on): no public API
+    tells which layer made a functional model's output; `kmp.diagnose`
+    names it in its finding about a 16-bit output.
+    """
+    return tensor._keras_history.operation
+
+
+def compile_arguments(model):
+    """The arguments `model.compile` recorded for `get_compile_config`, as a
+    dict kmp may change in place, or `None` if it recorded none.
+
+    `Trainer._compile_config` (Keras 3.0 on), a `SerializableDict` whose
+    `config` holds them. When `kmp.load_model` wraps a loaded optimizer in a
+    `kmp.LossScaleOptimizer`, it puts the wrapper there, so that the next
+    save records the optimizer whose state it writes; `get_compile_config`
+    returns a serialized copy, which would not.
+    """
+    compile_config = getattr(model, "_compile_config", None)
+    return None if compile_config is None else compile_config.config
+
+
+def set_initial_epoch(model, epoch):
+    """Makes `model.fit` start at `epoch`, as Keras' `BackupAndRestore` does.
+
+    `Trainer._initial_epoch` (Keras 3.0 on): `fit` reads it, when set, in
+    place of its `initial_epoch` argument; it is how Keras' own callback
+    resumes, and `kmp.callbacks.BackupAndRestore` resumes the same way.
+    """
+    model._initial_epoch = epoch
+
+
+# --- the crash-safe callbacks (kmp/checkpoint.py) ---
+
+
+class BackupAndRestoreBase(keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` with its restore and save handed to
+    kmp, and its state under names kmp owns.
+
+    Keras' callback restores in `_load_model` and saves in `_save_model`,
+    which its own `on_train_batch_end` calls for an integer `save_freq`
+    (both from Keras 3.0 to 3.15). A subclass defines `_kmp_load_backup` and
+    `_kmp_save_backup`, so that every restore and save, Keras' own calls
+    included, goes through kmp's checks, lock and atomic writes.
+    `_current_epoch` and `_last_batch_seen` are the epoch and batch a backup
+    records (Keras' `on_epoch_end` and `_should_save_on_batch` keep them),
+    `_training_metadata_path` where it records them.
+    """
+
+    def _load_model(self):
+        self._kmp_load_backup()
+
+    def _save_model(self):
+        self._kmp_save_backup()
+
+    def _kmp_load_backup(self):
+        raise NotImplementedError(f"{type(self).__name__} restores nothing: define `_kmp_load_backup`.")
+
+    def _kmp_save_backup(self):
+        raise NotImplementedError(f"{type(self).__name__} saves nothing: define `_kmp_save_backup`.")
+
+    @property
+    def _kmp_current_epoch(self):
+        return self._current_epoch
+
+    @_kmp_current_epoch.setter
+    def _kmp_current_epoch(self, epoch):
+        self._current_epoch = epoch
+
+    @property
+    def _kmp_last_batch_seen(self):
+        return self._last_batch_seen
+
+    @_kmp_last_batch_seen.setter
+    def _kmp_last_batch_seen(self, batch):
+        self._last_batch_seen = batch
+
+    @property
+    def _kmp_training_metadata_path(self):
+        return self._training_metadata_path
+
+    @_kmp_training_metadata_path.setter
+    def _kmp_training_metadata_path(self, path):
+        self._training_metadata_path = path
+
+
+class ModelCheckpointBase(keras.callbacks.ModelCheckpoint):
+    """`keras.callbacks.ModelCheckpoint` whose writing of a checkpoint is
+    kmp's.
+
+    Keras' callback saves in `_save_model(epoch, batch, logs)`, for every
+    checkpoint (Keras 3.0 to 3.15); here it chooses the file as Keras does
+    (`_get_file_path`) and decides as Keras does whether to save
+    (`_should_save_model`, which also tracks `best` and prints Keras'
+    messages), then hands the writing to the subclass's
+    `_kmp_write_checkpoint(filepath, epoch)`.
+    """
+
+    def _save_model(self, epoch, batch, logs):
+        filepath = self._get_file_path(epoch, batch, logs)
+        if self._should_save_model(epoch, batch, logs, filepath):
+            self._kmp_write_checkpoint(filepath, epoch)
+
+    def _kmp_write_checkpoint(self, filepath, epoch):
+        raise NotImplementedError(f"{type(self).__name__} writes nothing: define `_kmp_write_checkpoint`.")

@@ -68,8 +68,8 @@ def settle_once(model):
 def _parents(model):
     """Each layer of `model` (by id), mapped to the layers that hold it directly."""
     parents = {}
-    for parent in model._flatten_layers(include_self=True, recursive=True):
-        for child in parent._flatten_layers(include_self=False, recursive=False):
+    for parent in _keras_internals.nested_layers(model, include_self=True, recursive=True):
+        for child in _keras_internals.nested_layers(parent, include_self=False, recursive=False):
             parents.setdefault(id(child), []).append(parent)
     return parents
 

@@ -167,7 +167,7 @@ def vocabulary_size(layer):
     """The most rows of any `Embedding` in `layer` (itself included), or `None`."""
     sizes = [
         sublayer.input_dim
-        for sublayer in layer._flatten_layers(include_self=True, recursive=True)
+        for sublayer in _keras_internals.nested_layers(layer, include_self=True, recursive=True)
         if isinstance(sublayer, keras.layers.Embedding)
     ]
     return max(sizes, default=None)
@@ -179,7 +179,7 @@ def can_round(layer, dtype):
     Embeddings say how many ids they take (`input_dim`); any other layer
     that casts to integers does not, so it can always be rounded.
     """
-    for sublayer in layer._flatten_layers(include_self=True, recursive=True):
+    for sublayer in _keras_internals.nested_layers(layer, include_self=True, recursive=True):
         if id_arguments(sublayer) and not isinstance(sublayer, keras.layers.Embedding):
             return True
     size = vocabulary_size(layer)
@@ -194,7 +194,9 @@ def holds_id_layer(layer, memo=None):
         memo[key] = False  # A layer reachable from itself is not an id layer.
         memo[key] = bool(id_arguments(layer)) or any(
             holds_id_layer(sublayer, memo)
-            for sublayer in layer._flatten_layers(include_self=False, recursive=False)
+            for sublayer in _keras_internals.nested_layers(
+                layer, include_self=False, recursive=False
+            )
         )
     return memo[key]
 
@@ -263,7 +265,7 @@ def _takes_one_input(layer):
 def _plan(model):
     """`(holders, id_layers)` of `model`, as the module docstring says."""
     memo, holders, id_layers, seen = {}, [], {}, set()
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in _keras_internals.nested_layers(model, include_self=True, recursive=True):
         if id(layer) in seen:
             continue
         seen.add(id(layer))
@@ -288,7 +290,7 @@ def settle(model):
     See the module docstring. A model with no layer in 16 bits is left as it
     is. Called by `kmp._precision.settle`.
     """
-    layers = model._flatten_layers(include_self=True, recursive=True)
+    layers = _keras_internals.nested_layers(model, include_self=True, recursive=True)
     if not any(_computes_in_sixteen_bits(layer) for layer in layers):
         return
     holders, _ = _plan(model)
@@ -304,7 +306,7 @@ def _rounded_in_graph(model):
     16-bit ids to (a layer before it narrowed them), where `dtype` can round
     one of its ids."""
     found, seen = [], set()
-    for graph in model._flatten_layers(include_self=True, recursive=True):
+    for graph in _keras_internals.nested_layers(model, include_self=True, recursive=True):
         if not isinstance(graph, _keras_internals.Functional):
             continue
         for layer in graph.layers:

@@ -614,7 +614,7 @@ class _UnsafeBackupError(ValueError):
     folder): refused outright, never a reason to fall back to another."""
 
 
-class BackupAndRestore(keras.callbacks.BackupAndRestore):
+class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     """`keras.callbacks.BackupAndRestore` whose backups survive a kill mid-save.
 
     Same arguments and behaviour as Keras' callback: it saves the weights,
@@ -760,7 +760,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._folder = self.backup_dir
         else:
             self._folder = os.path.join(self.backup_dir, self._worker[0])
-        self._training_metadata_path = os.path.join(self._folder, _METADATA_NAME)
+        self._kmp_training_metadata_path = os.path.join(self._folder, _METADATA_NAME)
 
     def _lock_folder(self):
         """Creates this process's folder and locks it (see `_FolderLock`)."""
@@ -788,7 +788,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _read_metadata(self):
         """The checked metadata of this process's folder, or `None`."""
-        path = self._training_metadata_path
+        path = self._kmp_training_metadata_path
         try:
             fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
         except FileNotFoundError:
@@ -833,9 +833,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             while view:
                 view = view[os.write(fd, view):]
 
-        _write_atomically(self._training_metadata_path, write_fd=write)
+        _write_atomically(self._kmp_training_metadata_path, write_fd=write)
 
-    def _load_model(self):
+    def _kmp_load_backup(self):
         if not self.model.built:
             raise ValueError(
                 "To use the BackupAndRestore callback, your model must be "
@@ -921,7 +921,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if target >= 0 and chosen is None:
             error = ValueError(
                 f"{task} cannot resume with the other workers from backup "
-                f"{target}: {self._training_metadata_path!r} names backup "
+                f"{target}: {self._kmp_training_metadata_path!r} names backup "
                 f"{latest} and no previous one. Delete every worker's backup "
                 "folder to start over."
             )
@@ -952,7 +952,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         process's folder, opened without following a link."""
         path = os.path.join(self._folder, name)
         refusal = (
-            f"The backup metadata {self._training_metadata_path!r} names "
+            f"The backup metadata {self._kmp_training_metadata_path!r} names "
             f"weights={name!r}, but {path!r} is {{}}; kmp reads only the regular "
             f"files it wrote in {self._folder!r}. Nothing was restored. Delete "
             "the backup directory to start over."
@@ -964,7 +964,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 raise _UnsafeBackupError(refusal.format("a symbolic link")) from None
             raise ValueError(
                 f"The backup file {path!r} named by "
-                f"{self._training_metadata_path!r} cannot be read: {error}"
+                f"{self._kmp_training_metadata_path!r} cannot be read: {error}"
             ) from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
@@ -980,7 +980,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             if expected is None:
                 warnings.warn(
                     f"The backup {weights_path!r} has no checksum in "
-                    f"{self._training_metadata_path!r} (it was written by Keras "
+                    f"{self._kmp_training_metadata_path!r} (it was written by Keras "
                     "or by an older kmp); it is restored without an integrity "
                     "check.",
                     stacklevel=3,
@@ -991,7 +991,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 raise ValueError(
                     f"The backup file {weights_path!r} is damaged: its SHA-256 "
                     f"checksum differs from the one "
-                    f"{self._training_metadata_path!r} recorded ({expected}) when "
+                    f"{self._kmp_training_metadata_path!r} recorded ({expected}) when "
                     "the file was written. Resuming from it would continue "
                     "from weights that were never trained. Put back an intact "
                     f"copy of the file, or delete {self.backup_dir!r} to start "
@@ -1014,9 +1014,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             raise ValueError(
                 f"The backup file {weights_path!r} cannot be loaded: {error}"
             ) from None
-        self.model._initial_epoch = candidate["epoch"]
+        _keras_internals.set_initial_epoch(self.model, candidate["epoch"])
         # Backups written from here on are numbered from the restored epoch.
-        self._current_epoch = candidate["epoch"]
+        self._kmp_current_epoch = candidate["epoch"]
         self._pending_monitor_states = candidate.get("monitors")
 
     def _commit_restored(self, entry):
@@ -1027,7 +1027,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         backup file, no longer named, goes at the next save.
         """
         if entry is None:
-            os.remove(self._training_metadata_path)
+            os.remove(self._kmp_training_metadata_path)
             return
         entry = dict(entry)
         entry.pop("previous", None)
@@ -1040,20 +1040,20 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # restored weights.
         self._epoch_backup_pending = False
         self._pending_monitor_states = None
-        self._current_epoch = 0
-        self._last_batch_seen = 0
-        # Keras' version falls back on OSError only; `_load_model` already
+        self._kmp_current_epoch = 0
+        self._kmp_last_batch_seen = 0
+        # Keras' version falls back on OSError only; `_kmp_load_backup` already
         # tries every complete backup and says why each one failed.
         try:
-            self._load_model()
+            self._kmp_load_backup()
         except BaseException:
             # `fit` ends here: the folder is not in use any more.
             self._release_lock()
             raise
 
     def on_epoch_end(self, epoch, logs=None):
-        self._current_epoch = epoch + 1
-        self._last_batch_seen = 0
+        self._kmp_current_epoch = epoch + 1
+        self._kmp_last_batch_seen = 0
         # Written at the next epoch's start (or at the end of training), once
         # every callback has handled this epoch's end: callbacks listed after
         # this one (EarlyStopping, ReduceLROnPlateau changing the learning
@@ -1063,14 +1063,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_epoch_begin(self, epoch, logs=None):
         if self._epoch_backup_pending:
             self._epoch_backup_pending = False
-            self._save_model()
+            self._kmp_save_backup()
         self._restore_monitors()
 
     def on_train_end(self, logs=None):
         try:
             if self._epoch_backup_pending and not self.delete_checkpoint:
                 self._epoch_backup_pending = False
-                self._save_model()
+                self._kmp_save_backup()
             if self.delete_checkpoint:
                 self._delete_own_files()
         finally:
@@ -1145,7 +1145,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 if name in state:
                     setattr(monitor, name, state[name])
 
-    def _save_model(self):
+    def _kmp_save_backup(self):
         os.makedirs(self._folder, exist_ok=True)
         latest = self._read_metadata()
         # Numbered from the metadata, not from the folder listing: a file a
@@ -1160,8 +1160,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
         _write_atomically(os.path.join(self._folder, weights_name), write_path=write_weights)
         metadata = {
-            "epoch": self._current_epoch,
-            "batch": self._last_batch_seen,
+            "epoch": self._kmp_current_epoch,
+            "batch": self._kmp_last_batch_seen,
             "weights": weights_name,
             "sha256": checksum["sha256"],
             "monitors": [_monitor_state(monitor) for monitor in self.monitors],
@@ -1186,7 +1186,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                     os.remove(path)
 
 
-class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class ModelCheckpoint(_keras_internals.ModelCheckpointBase):
     """`keras.callbacks.ModelCheckpoint` that never leaves a half-written file.
 
     Same arguments and behaviour as Keras' callback, but each file is written
@@ -1210,10 +1210,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     ```
     """
 
-    def _save_model(self, epoch, batch, logs):
-        filepath = self._get_file_path(epoch, batch, logs)
-        if not self._should_save_model(epoch, batch, logs, filepath):
-            return
+    def _kmp_write_checkpoint(self, filepath, epoch):
         if os.path.isdir(filepath):
             # Keras' own message; without it `os.replace` would raise a raw
             # IsADirectoryError after a whole save.

@@ -144,7 +144,7 @@ class _WrappedModel(model_module.Model):
         return self.wrapped.layers
 
     def call(self, inputs, training=None):
-        if self.wrapped._call_has_training_arg:
+        if _keras_internals.call_takes_training(self.wrapped):
             return self.wrapped(inputs, training=training)
         return self.wrapped(inputs)
 
@@ -315,7 +315,7 @@ def _following_layers(model, policy):
     source = model.dtype_policy.name
     return {
         layer: policy
-        for layer in model._flatten_layers(include_self=True, recursive=True)
+        for layer in _keras_internals.nested_layers(model, include_self=True, recursive=True)
         if policy_module._can_change_policy(layer)
         and layer.dtype_policy.name == source
         and not isinstance(layer, keras.layers.InputLayer)
@@ -565,7 +565,7 @@ def summary(model, print_fn=None):
     plan = _reasons(model)
     model_policy = getattr(model.dtype_policy, "name", None)
     rows, seen = [], set()
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True):
         if id(layer) in seen:
             continue
         seen.add(id(layer))

@@ -179,7 +179,7 @@ def _check_model(model):
 def _has_16bit_layers(model):
     return any(
         layer.compute_dtype in ("float16", "bfloat16")
-        for layer in model._flatten_layers(include_self=False, recursive=True)
+        for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True)
     )
 
 
@@ -187,7 +187,7 @@ def _target_policy(model, policy):
     if policy is None:
         dtypes = {
             layer.compute_dtype
-            for layer in model._flatten_layers(include_self=False, recursive=True)
+            for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True)
         }
         if "float16" in dtypes:
             return "mixed_float16"

@@ -71,7 +71,7 @@ def _inference_policies(model, policy_name):
     """
     if policy_name is None:
         return {}
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    layers = list(_keras_internals.nested_layers(model, include_self=True, recursive=True))
     # Not `model.dtype_policy`: a loaded functional model takes the global
     # policy of the moment it was loaded, whatever its layers were saved with.
     model_is_16_bit = any(
@@ -320,7 +320,7 @@ def _add_loss_scaling_if_needed(model):
     # do not rebuild once built, so the wrapper only adds its own state.
     wrapped = loss_scale_module.LossScaleOptimizer(optimizer)
     model.optimizer = wrapped
-    compile_config = getattr(model, "_compile_config", None)
-    if compile_config is not None and "optimizer" in compile_config.config:
+    compile_arguments = _keras_internals.compile_arguments(model)
+    if compile_arguments is not None and "optimizer" in compile_arguments:
         # So that the next save records the optimizer whose state it writes.
-        compile_config.config["optimizer"] = wrapped
+        compile_arguments["optimizer"] = wrapped

@@ -608,7 +608,7 @@ class _Float32Rules:
 
     def check_names(self, model, argument="keep_float32"):
         """Raises `ValueError` for an exact name no layer of `model` has."""
-        layers = list(model._flatten_layers(include_self=False, recursive=True))
+        layers = list(_keras_internals.nested_layers(model, include_self=False, recursive=True))
         known = {layer.name for layer in layers} | {
             _layer_label(layer) for layer in layers
         }
@@ -632,7 +632,7 @@ def _builtin_rules():
 
 
 def _can_change_policy(layer):
-    policy = layer._dtype_policy
+    policy = layer.dtype_policy
     return (
         not isinstance(policy, keras.dtype_policies.DTypePolicyMap)
         and policy.quantization_mode is None
@@ -722,7 +722,7 @@ def _float32_plan(model, rules=None):
     plan, seen = [], set()
 
     def visit(parent, inside):
-        for layer in parent._flatten_layers(include_self=False, recursive=False):
+        for layer in _keras_internals.nested_layers(parent, include_self=False, recursive=False):
             if id(layer) in seen:
                 continue
             seen.add(id(layer))
@@ -786,7 +786,7 @@ def _computes_in_float16(model):
     # The layers decide, not the model's own policy: a model loaded (or built)
     # while the global policy was mixed_float16 has that policy even when all
     # its layers compute in float32.
-    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    layers = list(_keras_internals.nested_layers(model, include_self=False, recursive=True))
     if not layers:
         return model.dtype_policy.compute_dtype == "float16"
     return any(layer.compute_dtype == "float16" for layer in layers)

@@ -15,8 +15,10 @@ digits (no download), trained from the same initial weights four ways:
   subclasses `kmp.Model` and is handed plain optimizers (kmp wraps them; a
   loop wraps its own in `kmp.LossScaleOptimizer`), `scale_loss` on every
   loss;
-- `kmp, code unchanged`: the same without `scale_loss` (kmp applies the
-  gradients unscaled and warns once per optimizer).
+- `kmp, code unchanged`: the same without `scale_loss` (in kmp.Model's
+  train step kmp applies the gradients unscaled and warns once per
+  optimizer; in a loop outside `fit` it divides them as Keras does, and
+  warns once).
 
 Workloads:
 - GAN: `examples/gan.py`'s DCGAN shape (its discriminator and generator, its

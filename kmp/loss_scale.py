@@ -588,7 +588,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     if retries_left is not None and optimizer.dynamic:
         decision = decision._replace(retry=ops.logical_and(
             ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite),
-            ops.logical_and(retries_left > 0, optimizer._loss_scale.value > optimizer.min_scale),
+            ops.logical_and(retries_left > 0, optimizer._kmp_scale.value > optimizer.min_scale),
         ))
 
     def apply_unscaled(grads, variables):
@@ -630,8 +630,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
 def _update_state(optimizer, decision):
     """The scaling rule and the counters, after one (applied or skipped) step."""
     rule = {name: getattr(optimizer, name) for name in _RULE_SETTINGS}
-    scale, counters = _next_state(optimizer._loss_scale.value, optimizer.counters, decision, rule)
-    optimizer._loss_scale.assign(scale)
+    scale, counters = _next_state(optimizer._kmp_scale.value, optimizer.counters, decision, rule)
+    optimizer._kmp_scale.assign(scale)
     optimizer._counters.assign(ops.stack([counters[name] for name in _COUNTERS]))
     if decision.nonfinite_gradients is not None:
         # Kept from the latest backward overflow, so that with
@@ -742,11 +742,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # then does a traced step record which variables overflowed.
         self._monitored = False
         object.__setattr__(self, "_warned", set())
-        object.__setattr__(self, "_record", _StepRecord())
+        object.__setattr__(self, "_kmp_record", _StepRecord())
 
     @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
-        self._loss_scale = _add_state_variable(self, "loss_scale", (), "float32",
+        self._kmp_scale = _add_state_variable(self, "loss_scale", (), "float32",
                                                self.initial_scale)
         # All the step's counters in one vector (see `_COUNTERS`): one read
         # and one write per step, counted on the device.
@@ -773,7 +773,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return ops.convert_to_tensor(1.0, "float32")
         if not self.built:
             return ops.convert_to_tensor(self.initial_scale, "float32")
-        return tf.identity(self._loss_scale.value)
+        return tf.identity(self._kmp_scale.value)
 
     @property
     def skipped_steps(self):
@@ -800,7 +800,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     _hysteresis_left = property(lambda self: self.counters["hysteresis_left"])
     _forward_overflows = property(lambda self: self.counters["forward_overflows"])
     # The name Keras' LossScaleOptimizer gives its scale variable.
-    dynamic_scale = property(lambda self: self._loss_scale)
+    dynamic_scale = property(lambda self: self._kmp_scale)
 
     @property
     def iterations(self):
@@ -815,7 +815,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.enabled:
             return loss
-        self._record.scaled, self._record.loss = True, loss
+        self._kmp_record.scaled, self._kmp_record.loss = True, loss
         return ops.multiply(loss, self.loss_scale)
 
     def get_scaled_loss(self, loss):
@@ -832,7 +832,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.enabled:
             return list(grads)
-        self._record.divided = True
+        self._kmp_record.divided = True
         return _unscale(self, list(grads))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
@@ -870,7 +870,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.build(trainable_variables)
             self.built = True
         grads, trainable_variables = self._filter_empty_gradients(list(grads), trainable_variables)
-        record = self._record
+        record = self._kmp_record
         scaled, divided, loss = record.take()
         record.applied, record.last_loss = True, loss
         if not self.enabled:

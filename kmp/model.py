@@ -75,7 +75,7 @@ def _continue_scaling(model, previous, scaler):
     with model.distribute_strategy.scope():
         if not scaler.built:
             scaler.build(model.trainable_variables)
-        scaler._loss_scale.assign(
+        scaler._kmp_scale.assign(
             min(max(float(previous.loss_scale), scaler.min_scale), scaler.max_scale)
         )
         scaler._counters.assign(previous._counters.value)

@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from kmp import _keras_internals
 from kmp import _optimizers
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
@@ -137,7 +138,7 @@ def run_train_step(model, data, keras_train_step):
     logs = dict(model.get_metrics_result())
     if "loss" in logs:
         logs["loss"] = ops.where(
-            model._loss_tracker.count > 0, logs["loss"], skipped_losses.result()
+            _keras_internals.loss_tracker(model).count > 0, logs["loss"], skipped_losses.result()
         )
     return logs
 
@@ -203,7 +204,7 @@ def retry_budget(model, optimizer):
         or not optimizer.enabled
         or not optimizer.dynamic
         or getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None)
-        or not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        or not _keras_internals.supports_no_merge_call()
     ):
         return None
     settled = ops.greater(optimizer.iterations, 0)
@@ -226,7 +227,7 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     strategy every replica takes the same decision (on all-reduced
     gradients), so all retry together.
     """
-    if not tf.__internal__.distribute.strategy_supports_no_merge_call():
+    if not _keras_internals.supports_no_merge_call():
         raise ValueError(
             "`overflow_retries` needs the train step to run without "
             "`merge_call`: no strategy, OneDeviceStrategy, or MirroredStrategy "

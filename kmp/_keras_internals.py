@@ -14,9 +14,10 @@ admits, 3.10 through 3.15, each with a TensorFlow it installs with (3.10
 with TensorFlow 2.19, 3.11 with 2.20, 3.12 to 3.15 with the newest), so a
 name that moves in any of them fails there (see README, "Tested with").
 
-Private names of Keras objects used here, and why (each is present from
-Keras 3.10 to 3.15, most since 3.0; the function or class that uses it
-says more):
+Private names of Keras and TensorFlow objects used here, and why (each
+Keras one is present from Keras 3.10 to 3.15, most since 3.0, each
+TensorFlow one in the TensorFlows CI installs; the function or class that
+uses it says more):
 
 | name | here | used by | why |
 |---|---|---|---|
@@ -30,31 +31,26 @@ says more):
 | `BackupAndRestore._current_epoch`, `_last_batch_seen`, `_training_metadata_path` | `BackupAndRestoreBase`'s `_kmp_*` properties | `checkpoint.py` | the epoch and batch a backup records, which Keras' `on_epoch_end` and `_should_save_on_batch` keep too, reset at each `on_train_begin`; where kmp records them |
 | `ModelCheckpoint._save_model` (overridden), `_get_file_path`, `_should_save_model` | `ModelCheckpointBase` | `checkpoint.py` | the save Keras' callback calls for every checkpoint: the file and whether to save stay Keras', the write is kmp's atomic one (`_kmp_write_checkpoint`) |
 | `Tensor._keras_logits` | `keep_logits` | `policy.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
+| `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `callbacks.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
+| `Optimizer._filter_empty_gradients` | `filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
+| `Optimizer._get_variable_index` | `variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
+| `Optimizer._overwrite_variable_with_gradient` | `overwrites_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
+| `Optimizer._iterations` | `micro_steps` | `loss_scale.py` | the micro-step count (`iterations` counts windows): a window's last micro-batch, and its start when a window is discarded |
+| `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `loss_scale.py` | discard a window with an overflow |
+| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `_replicas.py`, `_train_step.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
+| `tf.compat.v1.get_default_graph` | `default_graph` | `loss_scale.py` | whether a recorded loss belongs to the graph being traced |
+| `Trainer._loss_tracker` | `loss_tracker` | `_train_step.py` | whether a step computed a loss, for the loss a skipped step logs |
+| `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
+| `Trainer._symbolic_build` | `symbolic_build` | `distribute.py` | that build, as `fit` runs it, from this worker's batch |
+| `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 
 `_token_ids.py` also overrides `DTypePolicy.convert_input` (public) in kmp's
 own `_ExactIdsPolicy`: Keras' autocast of a layer's inputs, so that a layer
 holding an embedding hands float32 ids on unrounded.
-
-Still used outside this module, and listed so that nothing is unwritten
-(issue 23 moves them here with the rewrite of the scaler and the step):
-
-| name | used by | why |
-|---|---|---|
-| `Optimizer._iterations` | `loss_scale.py` | the micro-step count; `iterations` counts windows |
-| `Optimizer._backend_reset_gradient_accumulators` | `loss_scale.py` | discard a window with an overflow |
-| `Optimizer._trainable_variables` | `loss_scale.py`, `callbacks.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
-| `Optimizer._filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
-| `Optimizer._get_variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
-| `Optimizer._overwrite_variable_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
-| TF `Optimizer._all_reduce_sum_gradients` | `_replicas.py` | switched off while kmp applies gradients it summed already (one all-reduce per step) |
-| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `_replicas.py`, `_train_step.py` | whether a step can run without `merge_call` (retries, kmp's own all-reduce) |
-| `tf.compat.v1.get_default_graph` | `_loss_record.py` | whether a recorded loss belongs to the graph being traced |
-| `Model._loss_tracker` | `_train_step.py` | whether a step computed a loss, for the loss a skipped step logs |
-| `Model._maybe_symbolic_build` (overridden), `_distribute_strategy`, `_symbolic_build` | `model.py`, `distribute.py` | build across workers, where Keras' own build fails |
-| `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 """
 
 import keras
+import tensorflow as tf
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.export.export_utils import get_input_signature
 from keras.src.models.functional import Functional
@@ -248,3 +244,148 @@ class ModelCheckpointBase(keras.callbacks.ModelCheckpoint):
 
     def _kmp_write_checkpoint(self, filepath, epoch):
         raise NotImplementedError(f"{type(self).__name__} writes nothing: define `_kmp_write_checkpoint`.")
+
+
+# --- the scaler's step (kmp/loss_scale.py, kmp/callbacks.py) ---
+
+
+def built_variables(optimizer):
+    """The variables `optimizer` was built with, in Keras' index order.
+
+    `Optimizer._trainable_variables` (Keras 3.0 on): `build` records them,
+    and no public API gives them back. `kmp.LossScaleOptimizer.apply(grads)`
+    without variables applies to them (as Keras' `apply` does), and the
+    monitor names an overflowing gradient by its index among them.
+    """
+    return optimizer._trainable_variables
+
+
+def filter_empty_gradients(optimizer, grads, variables):
+    """`(grads, variables)` without the pairs whose gradient is `None`.
+
+    `Optimizer._filter_empty_gradients` (Keras 3.0 on): exactly the pairs,
+    and the warning, that Keras' own `apply` drops and gives, so a kmp
+    scaler drops what the optimizer it wraps would.
+    """
+    return optimizer._filter_empty_gradients(grads, variables)
+
+
+def variable_index(optimizer, variable):
+    """`variable`'s index among `built_variables(optimizer)`.
+
+    `Optimizer._get_variable_index` (Keras 3.0 on): how Keras finds a
+    variable's slots; the monitor records which variables overflowed by it.
+    """
+    return optimizer._get_variable_index(variable)
+
+
+def overwrites_with_gradient(optimizer, variable):
+    """Whether `optimizer` sets `variable` to its "gradient" (no update rule).
+
+    `Optimizer._overwrite_variable_with_gradient` (Keras 3.0 on): such a
+    "gradient" (a moving statistic some layers keep) is a value, not a
+    scaled gradient; kmp leaves it undivided, as Keras' own scaler does.
+    """
+    return optimizer._overwrite_variable_with_gradient(variable)
+
+
+def micro_steps(optimizer):
+    """The variable counting `optimizer`'s calls to `apply`, micro-batches
+    of an accumulated step included.
+
+    `Optimizer._iterations` (Keras 3.0 on): with
+    `gradient_accumulation_steps`, the public `iterations` counts windows;
+    kmp reads this one to know a window's last micro-batch, and moves it
+    back to the window's start when it discards the window.
+    """
+    return optimizer._iterations
+
+
+def reset_gradient_accumulators(optimizer):
+    """Zeroes `optimizer`'s gradient accumulators.
+
+    `Optimizer._backend_reset_gradient_accumulators` (Keras 3.0 on): what
+    Keras does at the end of each window; kmp calls it to discard a window
+    in which a gradient overflowed, so that no inf or NaN stays in them.
+    """
+    return optimizer._backend_reset_gradient_accumulators()
+
+
+def supports_no_merge_call():
+    """Whether the current strategy runs a step without `merge_call`.
+
+    `tf.__internal__.distribute.strategy_supports_no_merge_call` (TensorFlow
+    2.x): no public API tells. Without `merge_call` kmp checks and decides
+    in each replica (one collective of flags), and can retry a batch in a
+    `tf.while_loop`, which TensorFlow refuses around a `merge_call`.
+    """
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def default_graph():
+    """The graph being built now (the eager context's outside any trace).
+
+    `tf.compat.v1.get_default_graph`: TensorFlow 2's public API has no
+    other way to ask which `tf.function` graph is being traced; the scaler
+    uses a loss it recorded only within that graph (or one it is nested in).
+    """
+    return tf.compat.v1.get_default_graph()
+
+
+def loss_tracker(model):
+    """The metric in which `model`'s `compute_loss` sums its losses.
+
+    `Trainer._loss_tracker` (Keras 3.0 on): its `count` says whether the
+    step computed a loss at all; a step that was skipped before it did logs
+    the loss of the skipped attempt instead.
+    """
+    return model._loss_tracker
+
+
+# --- the train function and the build across workers (kmp/distribute.py, kmp/model.py) ---
+
+
+def noinline_function_attributes():
+    """`experimental_attributes` for a `tf.function` TensorFlow must not inline.
+
+    `_noinline`, a function attribute TensorFlow's grappler honours and no
+    public argument sets: a train step called as a function starts once its
+    batch has arrived; inlined, its ops that do not read the batch run even
+    when the iterator is empty (`tests/test_train_function.py` checks it).
+    """
+    return {"_noinline": True}
+
+
+def symbolic_build(model, data_batch):
+    """Builds `model` (and its metrics and optimizer) from one batch, as `fit`
+    does before its first step.
+
+    `Trainer._symbolic_build` (Keras 3.0 on): `fit`'s build, which kmp runs
+    itself across workers with this worker's batch (see `ModelBase`).
+    """
+    model._symbolic_build(data_batch=data_batch)
+
+
+class ModelBase(keras.Model):
+    """`keras.Model` whose build before `fit` a subclass may take over.
+
+    Keras' `Trainer._maybe_symbolic_build` (Keras 3.0 to 3.15) averages the
+    first batch over replicas just to read its shapes, which fails across
+    workers. With an iterator and a strategy of the model's own
+    (`Trainer._distribute_strategy`), it first asks the subclass's
+    `_kmp_build_from_iterator(iterator, strategy)`, which returns whether it
+    built the model itself; otherwise Keras builds as always.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if (
+            iterator is not None
+            and strategy is not None
+            and self._kmp_build_from_iterator(iterator, strategy)
+        ):
+            return
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _kmp_build_from_iterator(self, iterator, strategy):
+        return False

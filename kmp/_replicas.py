@@ -29,6 +29,7 @@ import tensorflow as tf
 from keras import ops
 
 from kmp import _gradients
+from kmp import _keras_internals
 
 
 class _InReplica:
@@ -104,7 +105,7 @@ def run_step(step, *args):
             "`apply()` must be called in a replica context (inside "
             "`strategy.run`), not in a cross-replica context."
         )
-    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    if _keras_internals.supports_no_merge_call():
         return step(_InReplica, *args)
     return tf.distribute.get_replica_context().merge_call(
         lambda distribution, *merged: step(_CrossReplica(distribution), *merged), args=args

@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from kmp import _keras_internals
 from kmp import _optimizers
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
@@ -61,13 +62,13 @@ def reporting_scalers(model, train_step, own):
             held_models_return_float32(model)
         scalers = list(_optimizers.scaling_optimizers(model).values())
         for optimizer in scalers:
-            optimizer._record.begin_model_step()
+            optimizer._kmp_record.begin_model_step()
         try:
             logs = train_step(model, data)
         finally:
             for optimizer in scalers:
-                optimizer._record.in_model_step = False
-        applied = [optimizer for optimizer in scalers if optimizer._record.applied]
+                optimizer._kmp_record.in_model_step = False
+        applied = [optimizer for optimizer in scalers if optimizer._kmp_record.applied]
         if applied and isinstance(logs, dict):
             retrying = own and retry_budget(model, model.optimizer) is not None
             logs = dict(logs, **scaler_logs(model, applied, retrying))
@@ -137,7 +138,7 @@ def run_train_step(model, data, keras_train_step):
     logs = dict(model.get_metrics_result())
     if "loss" in logs:
         logs["loss"] = ops.where(
-            model._loss_tracker.count > 0, logs["loss"], skipped_losses.result()
+            _keras_internals.loss_tracker(model).count > 0, logs["loss"], skipped_losses.result()
         )
     return logs
 
@@ -150,9 +151,9 @@ def _one_attempt(model, data, optimizer, keras_train_step):
     """
     metric_variables = list(model.metrics_variables)
     before = [tf.identity(v.value) for v in metric_variables]
-    optimizer._record.finite = None
+    optimizer._kmp_record.finite = None
     keras_train_step(data)
-    record = optimizer._record
+    record = optimizer._kmp_record
     finite, loss, retry = record.finite, record.last_loss, record.retry
     if finite is None or loss is None:
         return loss, retry
@@ -203,7 +204,7 @@ def retry_budget(model, optimizer):
         or not optimizer.enabled
         or not optimizer.dynamic
         or getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None)
-        or not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        or not _keras_internals.supports_no_merge_call()
     ):
         return None
     settled = ops.greater(optimizer.iterations, 0)
@@ -226,7 +227,7 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     strategy every replica takes the same decision (on all-reduced
     gradients), so all retry together.
     """
-    if not tf.__internal__.distribute.strategy_supports_no_merge_call():
+    if not _keras_internals.supports_no_merge_call():
         raise ValueError(
             "`overflow_retries` needs the train step to run without "
             "`merge_call`: no strategy, OneDeviceStrategy, or MirroredStrategy "
@@ -238,11 +239,11 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
 
     def attempt(count, retry, loss):
         # An input of the scaler's step (see `kmp.loss_scale._step`).
-        optimizer._record.retries_left = retries - count
+        optimizer._kmp_record.retries_left = retries - count
         try:
             new_loss, new_retry = _one_attempt(model, data, optimizer, keras_train_step)
         finally:
-            optimizer._record.retries_left = None
+            optimizer._kmp_record.retries_left = None
         return count + 1, new_retry, ops.cast(new_loss, "float32")
 
     count, _, loss = tf.while_loop(
@@ -251,7 +252,7 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
         (ops.convert_to_tensor(0), ops.convert_to_tensor(True), ops.convert_to_tensor(0.0)),
     )
     # The loss of the attempt that counted, for the monitor's logs.
-    optimizer._record.last_loss = loss
+    optimizer._kmp_record.last_loss = loss
 
 
 def scaler_logs(model, applied, retrying=False):
@@ -273,7 +274,7 @@ def scaler_logs(model, applied, retrying=False):
         logs[prefix + "skipped_steps"] = optimizer.skipped_steps
         if retrying:
             logs[prefix + "retried_steps"] = optimizer.counters["retries"]
-    loss = scalers[0]._record.last_loss if len(scalers) == 1 else None
+    loss = scalers[0]._kmp_record.last_loss if len(scalers) == 1 else None
     if (
         loss is not None
         and scalers[0]._monitored

@@ -266,7 +266,7 @@ def _read_step(model, optimizer, logs, loss_log="loss"):
 
 def _variable_names(optimizer, nonfinite_gradients):
     """The paths of the variables whose flag in `nonfinite_gradients` is set."""
-    variables = optimizer._trainable_variables
+    variables = _keras_internals.built_variables(optimizer)
     return [
         getattr(variables[i], "path", variables[i].name)
         for i in np.flatnonzero(np.asarray(nonfinite_gradients))

@@ -30,6 +30,8 @@ which reduce all the step's logs in one collective.
 import keras
 import tensorflow as tf
 
+from kmp import _keras_internals
+
 # The logs that every replica computes identically (they come from the loss
 # scaler's state, which is decided on all-reduced gradients): they need no
 # reduction across replicas.
@@ -239,7 +241,9 @@ def make_function(model, step_function):
             # turns out empty and the call ends in OutOfRangeError. Called
             # as a function, the step starts once its batch is there. (An
             # XLA-compiled step is one op, which waits for its inputs.)
-            experimental_attributes=None if model.jit_compile else {"_noinline": True},
+            experimental_attributes=(
+                None if model.jit_compile else _keras_internals.noinline_function_attributes()
+            ),
         )
 
     @tf.autograph.experimental.do_not_convert
@@ -305,5 +309,5 @@ def symbolic_build(model, iterator):
     else:
         return
     with model.distribute_strategy.scope():
-        model._symbolic_build(data_batch=data_batch)
+        _keras_internals.symbolic_build(model, data_batch)
 

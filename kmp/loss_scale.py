@@ -279,7 +279,7 @@ def _usable_here(loss):
     # A loss recorded in another trace (a `tf.function` traced again) is not.
     if loss is None or not tf.is_symbolic_tensor(loss):
         return loss
-    graph = tf.compat.v1.get_default_graph()
+    graph = _keras_internals.default_graph()
     while graph is not None:
         if graph is loss.graph:
             return loss
@@ -486,7 +486,7 @@ def _unscale(optimizer, grads, variables=None):
     moving statistic under some layers) take it as it is, as in Keras' scaler.
     """
     keep = None if variables is None else [
-        optimizer._overwrite_variable_with_gradient(v) for v in variables
+        _keras_internals.overwrites_with_gradient(optimizer, v) for v in variables
     ]
     scale = optimizer.loss_scale  # one read of the scale, not one per gradient
     return _gradients.divide(grads, scale, keep)
@@ -535,7 +535,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     unscale_first = divide and optimizer.min_scale < 1.0
     divide_later = divide and not unscale_first
     monitored = optimizer._monitored
-    indices = [optimizer._get_variable_index(v) for v in variables] if monitored else []
+    indices = [_keras_internals.variable_index(optimizer, v) for v in variables] if monitored else []
 
     def check(grads, variables, loss):
         if unscale_first:
@@ -555,7 +555,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
             return grads, (finite, loss_finite)
         # Which variables overflowed: this micro-batch's own flags.
         indicator = _gradients.nonfinite_indicator(
-            flags, indices, len(optimizer._trainable_variables)
+            flags, indices, len(_keras_internals.built_variables(optimizer))
         )
         return grads, (finite, loss_finite, indicator)
 
@@ -577,7 +577,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     grads, local = replicas.run(check, grads, variables, loss)
     reduce = lambda: replicas.agree(local, agree)  # noqa: E731
     if window:
-        boundary = ops.equal((inner._iterations + 1) % window, 0)
+        boundary = ops.equal((_keras_internals.micro_steps(inner) + 1) % window, 0)
         # Mid-window every replica adds its micro-batch: "finite" until the end.
         agreed = ops.cond(boundary, reduce, lambda: tuple(
             ops.ones_like(v) if i < 2 else v for i, v in enumerate(replicas.first(local))
@@ -588,7 +588,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     if retries_left is not None and optimizer.dynamic:
         decision = decision._replace(retry=ops.logical_and(
             ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite),
-            ops.logical_and(retries_left > 0, optimizer._loss_scale.value > optimizer.min_scale),
+            ops.logical_and(retries_left > 0, optimizer._kmp_scale.value > optimizer.min_scale),
         ))
 
     def apply_unscaled(grads, variables):
@@ -598,7 +598,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
 
     def skip():
         if window:  # only reached on a window's last micro-batch: back to its start
-            inner._iterations.assign(inner._iterations - (window - 1))
+            micro_steps = _keras_internals.micro_steps(inner)
+            micro_steps.assign(micro_steps - (window - 1))
 
     ops.cond(decision.finite, lambda: replicas.run(apply_unscaled, grads, variables), skip)
     if not window:
@@ -613,7 +614,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
             ops.logical_or(
                 discard, ops.logical_and(ops.logical_not(boundary), ops.logical_not(local[0]))
             ),
-            inner._backend_reset_gradient_accumulators,
+            lambda: _keras_internals.reset_gradient_accumulators(inner),
             lambda: None,
         ),
         local,
@@ -630,8 +631,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
 def _update_state(optimizer, decision):
     """The scaling rule and the counters, after one (applied or skipped) step."""
     rule = {name: getattr(optimizer, name) for name in _RULE_SETTINGS}
-    scale, counters = _next_state(optimizer._loss_scale.value, optimizer.counters, decision, rule)
-    optimizer._loss_scale.assign(scale)
+    scale, counters = _next_state(optimizer._kmp_scale.value, optimizer.counters, decision, rule)
+    optimizer._kmp_scale.assign(scale)
     optimizer._counters.assign(ops.stack([counters[name] for name in _COUNTERS]))
     if decision.nonfinite_gradients is not None:
         # Kept from the latest backward overflow, so that with
@@ -742,11 +743,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # then does a traced step record which variables overflowed.
         self._monitored = False
         object.__setattr__(self, "_warned", set())
-        object.__setattr__(self, "_record", _StepRecord())
+        object.__setattr__(self, "_kmp_record", _StepRecord())
 
     @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
-        self._loss_scale = _add_state_variable(self, "loss_scale", (), "float32",
+        self._kmp_scale = _add_state_variable(self, "loss_scale", (), "float32",
                                                self.initial_scale)
         # All the step's counters in one vector (see `_COUNTERS`): one read
         # and one write per step, counted on the device.
@@ -773,7 +774,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return ops.convert_to_tensor(1.0, "float32")
         if not self.built:
             return ops.convert_to_tensor(self.initial_scale, "float32")
-        return tf.identity(self._loss_scale.value)
+        return tf.identity(self._kmp_scale.value)
 
     @property
     def skipped_steps(self):
@@ -800,7 +801,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     _hysteresis_left = property(lambda self: self.counters["hysteresis_left"])
     _forward_overflows = property(lambda self: self.counters["forward_overflows"])
     # The name Keras' LossScaleOptimizer gives its scale variable.
-    dynamic_scale = property(lambda self: self._loss_scale)
+    dynamic_scale = property(lambda self: self._kmp_scale)
 
     @property
     def iterations(self):
@@ -815,7 +816,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.enabled:
             return loss
-        self._record.scaled, self._record.loss = True, loss
+        self._kmp_record.scaled, self._kmp_record.loss = True, loss
         return ops.multiply(loss, self.loss_scale)
 
     def get_scaled_loss(self, loss):
@@ -832,7 +833,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.enabled:
             return list(grads)
-        self._record.divided = True
+        self._kmp_record.divided = True
         return _unscale(self, list(grads))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
@@ -860,7 +861,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `if not optimizer.apply(grads): ...`.
         """
         trainable_variables = list(
-            self._trainable_variables if trainable_variables is None else trainable_variables
+            _keras_internals.built_variables(self) if trainable_variables is None else trainable_variables
         )
         if not self.built:
             # Built outside any tf.function: built inside one, in a replica of
@@ -869,8 +870,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             with tf.init_scope(), keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        grads, trainable_variables = self._filter_empty_gradients(list(grads), trainable_variables)
-        record = self._record
+        grads, trainable_variables = _keras_internals.filter_empty_gradients(
+            self, list(grads), trainable_variables
+        )
+        record = self._kmp_record
         scaled, divided, loss = record.take()
         record.applied, record.last_loss = True, loss
         if not self.enabled:

@@ -75,7 +75,7 @@ def _continue_scaling(model, previous, scaler):
     with model.distribute_strategy.scope():
         if not scaler.built:
             scaler.build(model.trainable_variables)
-        scaler._loss_scale.assign(
+        scaler._kmp_scale.assign(
             min(max(float(previous.loss_scale), scaler.min_scale), scaler.max_scale)
         )
         scaler._counters.assign(previous._counters.value)
@@ -138,7 +138,7 @@ def _functional_class(cls):
 
 
 @keras.saving.register_keras_serializable(package="kmp")
-class Model(keras.Model):
+class Model(_keras_internals.ModelBase):
     """A `keras.Model` that trains in mixed precision with loss scaling.
 
     Use it exactly like `keras.Model`: functional (`kmp.Model(inputs,
@@ -381,17 +381,13 @@ class Model(keras.Model):
         )
         return self.test_function
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    def _kmp_build_from_iterator(self, iterator, strategy):
         # Keras averages the first batch over replicas just to read its
         # shapes, which fails across workers; this worker's batch has them.
-        if (
-            iterator is not None
-            and self._distribute_strategy is not None
-            and distribute_module.is_multi_worker(self._distribute_strategy)
-        ):
-            distribute_module.symbolic_build(self, iterator)
-            return
-        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        if not distribute_module.is_multi_worker(strategy):
+            return False
+        distribute_module.symbolic_build(self, iterator)
+        return True
 
     def fit(
         self,

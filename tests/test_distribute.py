@@ -239,7 +239,7 @@ def test_shard_only_overflow_skips_on_every_replica(mirrored_strategy):
     # Counted once, not once per replica; one skip, one backoff.
     assert history.history["skipped_steps"] == [1]
     assert history.history["loss_scale"] == [2.0**9]
-    for variable in (optimizer._loss_scale, optimizer._counters, optimizer.iterations):
+    for variable in (optimizer._kmp_scale, optimizer._counters, optimizer.iterations):
         local = [np.asarray(v) for v in strategy.experimental_local_results(variable.value)]
         assert len(local) == 2 and all(np.array_equal(v, local[0]) for v in local)
     assert int(optimizer.iterations.numpy()) == 3

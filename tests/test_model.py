@@ -10,6 +10,7 @@ from _helpers import (
     assert_close_to_float16_rounding,
     overflowing_sample_weights,
 )
+from kmp import _keras_internals
 from kmp.model import FunctionalModel
 
 
@@ -327,7 +328,10 @@ def test_subclasses_stay_subclassed_after_functional_use():
 
     functional_subclass = FunctionalSubclass()
     assert isinstance(functional_subclass, FunctionalModel)
-    assert kmp.Model.__bases__ == bases_before == (keras.Model,)
+    # Neither kmp.Model's bases nor those of the base it overrides Keras'
+    # build in (kmp._keras_internals.ModelBase) were rewritten by Keras.
+    assert kmp.Model.__bases__ == bases_before == (_keras_internals.ModelBase,)
+    assert _keras_internals.ModelBase.__bases__ == (keras.Model,)
     model = Subclassed()
     x, y = _data()
     model.compile("adam", "sparse_categorical_crossentropy")

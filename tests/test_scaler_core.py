@@ -236,7 +236,7 @@ def test_kmp_variables_need_no_merge_call_to_assign():
     )
     optimizer.build([keras.Variable(1.0)])
     own = [
-        optimizer._loss_scale, optimizer._counters, optimizer._nonfinite_gradients,
+        optimizer._kmp_scale, optimizer._counters, optimizer._nonfinite_gradients,
         optimizer._accumulation_window,
     ]
     for variable in own:

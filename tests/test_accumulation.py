@@ -44,6 +44,9 @@ def _fit(accumulate, data, inner=keras.optimizers.Adam, **kmp_kwargs):
         kmp.LossScaleOptimizer(inner_optimizer, initial_scale=_INITIAL_SCALE,
                                growth_interval=2, **kmp_kwargs),
         "mse",
+        # Both runs drop an overflowing batch (a retry would redo one
+        # micro-batch of a window, so accumulation has none).
+        overflow_retries=0,
     )
     scales = _ScalePerStep()
     batch_size = _MICRO_BATCH if accumulate else _MICRO_BATCH * _ACCUMULATION

@@ -59,6 +59,7 @@ _WORKER = textwrap.dedent(
             max_scale=2.0**127, backoff_factor=2.0**-100, growth_interval=4,
         ),
         loss="mse",
+        overflow_retries=0,  # the first steps are skipped, not redone: state to restore
     )
 
     def dump(name):

@@ -50,9 +50,20 @@ SLOW = (
     "test_resume.py::test_keras_backup_killed_mid_save_resumes_from_the_last_complete_backup",
     "test_resume.py::test_two_workers_sharing_one_backup_folder_resume_identical_after_a_kill",
     "test_resume.py::test_two_workers_killed_between_their_saves_resume_from_the_same_backup",
+    "test_backup_safety.py::test_a_second_run_on_a_folder_in_use_is_refused_and_a_killed_one_resumes",
+    "test_cli.py::test_no_gpu_for_device_gpu_exits_4",
+    "test_scaler_core.py::test_importing_kmp_changes_no_tensorflow_or_keras_attribute",
+    # The identity test's stages run in one fresh process (a module fixture);
+    # the checks of its snapshot itself stay fast.
+    "test_foreign.py::test_the_snapshot_does_not_change_under_plain_keras",
+    "test_foreign.py::test_kmp_changes_no_tensorflow_or_keras_attribute",
+    "test_foreign.py::test_a_plain_keras_model_beside_kmp_is_as_without_kmp",
+    "test_foreign.py::test_models_handed_to_convert_keep_their_attributes",
+    "test_foreign.py::test_objects_kmp_was_not_given_to_keep_carry_no_kmp_attribute",
     # Long equivalence runs (each over 10 s on 2 busy cores); a shorter test of
     # the same module stays in the fast tier.
     "test_accumulation.py::test_overflow_discards_the_whole_accumulated_step_once",
+    "test_convert_any.py::test_keep_float32_survives_a_keras_file_round_trip",
     "test_custom_steps.py::test_gan_with_one_line_per_loss_matches_keras_own_scaler_recipe",
     "test_custom_steps.py::test_progress_bar_shows_each_scaler_readably",
     "test_devices.py::test_compiled_fit_with_several_steps_per_execution",

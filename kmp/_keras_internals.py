@@ -174,6 +174,12 @@ def set_initial_epoch(model, epoch):
 # --- the crash-safe callbacks (kmp/checkpoint.py) ---
 
 
+def _keras_attribute(name):
+    """A property reading and setting Keras' private attribute `name`."""
+    return property(lambda self: getattr(self, name),
+                    lambda self, value: setattr(self, name, value))
+
+
 class BackupAndRestoreBase(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` with its restore and save handed to
     kmp, and its state under names kmp owns.
@@ -200,29 +206,10 @@ class BackupAndRestoreBase(keras.callbacks.BackupAndRestore):
     def _kmp_save_backup(self):
         raise NotImplementedError(f"{type(self).__name__} saves nothing: define `_kmp_save_backup`.")
 
-    @property
-    def _kmp_current_epoch(self):
-        return self._current_epoch
-
-    @_kmp_current_epoch.setter
-    def _kmp_current_epoch(self, epoch):
-        self._current_epoch = epoch
-
-    @property
-    def _kmp_last_batch_seen(self):
-        return self._last_batch_seen
-
-    @_kmp_last_batch_seen.setter
-    def _kmp_last_batch_seen(self, batch):
-        self._last_batch_seen = batch
-
-    @property
-    def _kmp_training_metadata_path(self):
-        return self._training_metadata_path
-
-    @_kmp_training_metadata_path.setter
-    def _kmp_training_metadata_path(self, path):
-        self._training_metadata_path = path
+    # Keras' own state of the callback, under kmp's names.
+    _kmp_current_epoch = _keras_attribute("_current_epoch")
+    _kmp_last_batch_seen = _keras_attribute("_last_batch_seen")
+    _kmp_training_metadata_path = _keras_attribute("_training_metadata_path")
 
 
 class ModelCheckpointBase(keras.callbacks.ModelCheckpoint):

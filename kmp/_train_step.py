@@ -70,7 +70,7 @@ def reporting_scalers(model, train_step, own):
                 optimizer._kmp_record.in_model_step = False
         applied = [optimizer for optimizer in scalers if optimizer._kmp_record.applied]
         if applied and isinstance(logs, dict):
-            retrying = own and retry_budget(model, model.optimizer) is not None
+            retrying = own and retries_on(model, model.optimizer)
             logs = dict(logs, **scaler_logs(model, applied, retrying))
         return logs
 
@@ -188,6 +188,20 @@ def _asked_retries(model):
     return getattr(model, "_kmp_overflow_retries", "auto")
 
 
+def retries_on(model, optimizer):
+    """Whether a batch of `model`'s own train step can be redone (see `retry_budget`)."""
+    asked = _asked_retries(model)
+    if asked != "auto":
+        return bool(asked)
+    return (
+        isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
+        and optimizer.enabled
+        and optimizer.dynamic
+        and not getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None)
+        and _keras_internals.supports_no_merge_call()
+    )
+
+
 def retry_budget(model, optimizer):
     """The retries a batch of `model`'s own train step gets, or `None` (none).
 
@@ -199,13 +213,7 @@ def retry_budget(model, optimizer):
     asked = _asked_retries(model)
     if asked != "auto":
         return asked or None
-    if (
-        not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
-        or not optimizer.enabled
-        or not optimizer.dynamic
-        or getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None)
-        or not _keras_internals.supports_no_merge_call()
-    ):
+    if not retries_on(model, optimizer):
         return None
     settled = ops.greater(optimizer.iterations, 0)
     return ops.cast(ops.where(settled, _AUTO_RETRIES, _SETTLING_RETRIES), "int32")

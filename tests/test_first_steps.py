@@ -140,11 +140,8 @@ def test_apply_says_whether_the_step_was_applied_and_a_loop_can_redo_it(traced):
     def train_on(batch_weight):
         # The README's loop recipe: redo a batch whose gradients overflowed.
         for _ in range(4):
-            with tf.GradientTape() as tape:
-                scaled_loss = optimizer.scale_loss(batch_weight * w[0])
-            grads = tape.gradient(scaled_loss, [w])
-            applied = optimizer.apply(grads, [w])
-            if not traced and applied:
+            applied = optimizer.apply(tape_gradients(optimizer, w, batch_weight), [w])
+            if applied:
                 break
         return applied
 

@@ -13,11 +13,11 @@ from kmp import _command
 with _command.keep_import_error():
     import keras as _keras
 
-    if _keras.backend.backend() != "tensorflow":
+    if _keras.backend.backend() not in ("tensorflow", "jax"):
         raise ImportError(
-            "kmp needs the TensorFlow backend of Keras. Received: backend="
-            f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before "
-            "importing keras."
+            "kmp supports the TensorFlow and JAX backends of Keras. Received: "
+            f"backend={_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow or "
+            "KERAS_BACKEND=jax before importing keras."
         )
 
     from kmp import callbacks

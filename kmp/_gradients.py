@@ -7,8 +7,15 @@ tensor, a `tf.IndexedSlices` (an embedding's sparse gradient) or `None` (a
 variable without a gradient), and keeps that shape.
 """
 
+import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
+
+# The dtype of the scaler's counters: int64, except on JAX, which holds
+# 32-bit integers unless `jax_enable_x64` is set.
+COUNTER_DTYPE = "int64" if keras.backend.backend() == "tensorflow" else "int32"
+COUNTER_MAX = int(np.iinfo(COUNTER_DTYPE).max)
 
 
 def map_gradient(fn, gradient):
@@ -31,16 +38,16 @@ def finite_flags(gradients):
 
 
 def nonfinite_indicator(flags, indices, size):
-    """Int64 vector of `size`: 1 at `indices[i]` where `flags[i]` is false.
+    """Integer (`COUNTER_DTYPE`) vector of `size`: 1 at `indices[i]` where `flags[i]` is false.
 
     Built from the finite check's own per-gradient flags (no second pass
     over the gradients); missing gradients (`None` flags) count as finite.
     """
-    indicator = [ops.convert_to_tensor(0, "int64")] * size
+    indicator = [ops.convert_to_tensor(0, COUNTER_DTYPE)] * size
     for finite, index in zip(flags, indices):
         if finite is not None:
-            indicator[index] = ops.cast(ops.logical_not(finite), "int64")
-    return ops.stack(indicator) if indicator else ops.zeros((0,), "int64")
+            indicator[index] = ops.cast(ops.logical_not(finite), COUNTER_DTYPE)
+    return ops.stack(indicator) if indicator else ops.zeros((0,), COUNTER_DTYPE)
 
 
 def all_true(flags):

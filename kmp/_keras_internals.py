@@ -39,7 +39,8 @@ uses it says more):
 | `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `loss_scale.py` | discard a window with an overflow |
 | `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `_replicas.py`, `_train_step.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
 | `tf.compat.v1.get_default_graph` | `default_graph` | `loss_scale.py` | whether a recorded loss belongs to the graph being traced |
-| `Trainer._loss_tracker` | `loss_tracker` | `_train_step.py` | whether a step computed a loss, for the loss a skipped step logs |
+| `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `_jax.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
+| `Trainer._loss_tracker` | `loss_tracker` | `_train_step.py`, `_jax.py` | whether a step computed a loss, for the loss a skipped step logs |
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
 | `Trainer._symbolic_build` | `symbolic_build` | `distribute.py` | that build, as `fit` runs it, from this worker's batch |
 | `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
@@ -319,6 +320,18 @@ def default_graph():
     return tf.compat.v1.get_default_graph()
 
 
+def update_metrics_variables(model, metrics_values, unscaled_loss, x, y, y_pred, sample_weight):
+    """`(logs, new_metrics_values)` after one JAX train step, as Keras' own.
+
+    `JAXTrainer._update_metrics_variables` (Keras 3.10 on): the loss tracker
+    and `compute_metrics` run statelessly on the metric values, exactly as in
+    Keras' JAX `train_step`, which kmp.Model's JAX step follows.
+    """
+    return model._update_metrics_variables(
+        metrics_values, unscaled_loss, x, y, y_pred, sample_weight
+    )
+
+
 def loss_tracker(model):
     """The metric in which `model`'s `compute_loss` sums its losses.
 
@@ -365,7 +378,7 @@ class ModelBase(keras.Model):
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy
+        strategy = getattr(self, "_distribute_strategy", None)  # TensorFlow only
         if (
             iterator is not None
             and strategy is not None

@@ -755,7 +755,8 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         self._lock = None
 
     def _use_folder_of_this_process(self):
-        self._worker = _this_worker(self.model.distribute_strategy)
+        # No `distribute_strategy` on JAX: one process, one folder.
+        self._worker = _this_worker(getattr(self.model, "distribute_strategy", None))
         if self._worker is None or self._worker[1]:
             self._folder = self.backup_dir
         else:

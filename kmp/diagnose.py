@@ -110,6 +110,7 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
             Sequential model, `data` is not one of the forms above, no loss
             is given for an uncompiled model, or `policy` is not a 16-bit
             policy.
+        NotImplementedError: on a Keras backend other than TensorFlow.
 
     Example:
 
@@ -126,6 +127,15 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     report.to_json("report.json")
     ```
     """
+    if keras.backend.backend() != "tensorflow":
+        from kmp import _jax
+
+        raise _jax.unsupported(
+            "kmp.diagnose",
+            "Save the model (`model.save('model.keras')`) and run kmp.diagnose on it in a "
+            "process started with KERAS_BACKEND=tensorflow; training on JAX reports which "
+            "layer overflows through kmp.callbacks.LossScaleMonitor.",
+        )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an integer >= 1. Received: steps={steps!r}")
     _check_model(model)

@@ -29,6 +29,7 @@ whole and counted once, and the scale changes only between windows.
 """
 
 import collections
+import contextlib
 import math
 import numbers
 import os
@@ -49,7 +50,8 @@ from kmp._gradients import all_finite  # noqa: F401  (public in this module)
 # The largest values the state variables hold: the scale is float32, the
 # counters (`growth_interval`, `hysteresis` among them) int64.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-_INT64_MAX = int(np.iinfo(np.int64).max)
+_INT64_MAX = _gradients.COUNTER_MAX  # int64, or int32 on JAX
+_COUNTER_DTYPE = _gradients.COUNTER_DTYPE
 
 LossScaleState = collections.namedtuple(
     "LossScaleState", ["loss_scale", "good_steps", "hysteresis_left", "skipped_steps"]
@@ -316,7 +318,7 @@ def _next_state(loss_scale_before, counters, decision, rule):
         good_steps=state.good_steps,
         hysteresis_left=state.hysteresis_left,
         skipped_steps=state.skipped_steps,
-        forward_overflows=counters["forward_overflows"] + ops.cast(forward, "int64"),
+        forward_overflows=counters["forward_overflows"] + ops.cast(forward, _COUNTER_DTYPE),
         consecutive_skips=ops.where(skipped, counters["consecutive_skips"] + 1, 0),
         consecutive_forward_overflows=ops.where(
             forward, counters["consecutive_forward_overflows"] + 1, 0
@@ -329,7 +331,7 @@ def _next_state(loss_scale_before, counters, decision, rule):
         # can pass.
         for name in ("skipped_steps", "hysteresis_left", "consecutive_skips"):
             new[name] = ops.where(decision.retry, counters[name], new[name])
-        new["retries"] = counters["retries"] + ops.cast(decision.retry, "int64")
+        new["retries"] = counters["retries"] + ops.cast(decision.retry, _COUNTER_DTYPE)
         loss_scale = ops.where(
             decision.retry,
             ops.maximum(loss_scale_before * rule["backoff_factor"], rule["min_scale"]),
@@ -338,7 +340,7 @@ def _next_state(loss_scale_before, counters, decision, rule):
     counters = new
     return (
         ops.cast(loss_scale, "float32"),
-        {name: ops.cast(v, "int64") for name, v in counters.items()},
+        {name: ops.cast(v, _COUNTER_DTYPE) for name, v in counters.items()},
     )
 
 
@@ -547,7 +549,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         if window:
             seen = ops.maximum(
                 optimizer._accumulation_window.value,
-                ops.cast(ops.logical_not(ops.stack([finite, loss_finite])), "int64"),
+                ops.cast(ops.logical_not(ops.stack([finite, loss_finite])), _COUNTER_DTYPE),
             )
             optimizer._accumulation_window.assign(seen)
             finite, loss_finite = ops.equal(seen[0], 0), ops.equal(seen[1], 0)
@@ -571,7 +573,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
             + [ops.cast(flags, "float32") for flags in local[2:]]
         )
         return (ops.equal(bad[0], 0.0), ops.equal(bad[1], 0.0)) + tuple(
-            ops.cast(ops.greater(flags, 0.0), "int64") for flags in bad[2:]
+            ops.cast(ops.greater(flags, 0.0), _COUNTER_DTYPE) for flags in bad[2:]
         )
 
     grads, local = replicas.run(check, grads, variables, loss)
@@ -622,7 +624,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
 
     def end_window():
         _update_state(optimizer, decision)
-        optimizer._accumulation_window.assign(ops.zeros((2,), "int64"))
+        optimizer._accumulation_window.assign(ops.zeros((2,), _COUNTER_DTYPE))
 
     ops.cond(boundary, end_window, lambda: None)
     return decision.finite, decision.retry
@@ -640,6 +642,159 @@ def _update_state(optimizer, decision):
         backward = ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite)
         flags = optimizer._nonfinite_gradients
         flags.assign(ops.where(backward, decision.nonfinite_gradients, flags))
+
+
+_ON_TENSORFLOW = keras.backend.backend() == "tensorflow"
+
+
+# --- JAX: the step as a pure function of values ---------------------------
+
+def _values(variables):
+    return [v.value for v in variables]
+
+
+def _check_jax_buildable(optimizer):
+    steps = _accumulation_steps(optimizer)
+    if steps:
+        raise ValueError(
+            "On the JAX backend kmp.LossScaleOptimizer does not combine with the inner "
+            "optimizer's `gradient_accumulation_steps` (a window with an overflow cannot be "
+            "discarded whole there). Use the TensorFlow backend, or a larger batch. "
+            f"Received: gradient_accumulation_steps={steps}"
+        )
+
+
+def _stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *, loss=None,
+                   divide=True):
+    """One loss-scaled step as a pure function of values.
+
+    Args:
+        optimizer: The built `kmp.LossScaleOptimizer`.
+        optimizer_variables: Values of `optimizer.variables`, in order.
+        grads: Gradients of the scaled loss (or unscaled, `divide=False`).
+        trainable_variables: Values of the variables the optimizer was built
+            with, in order.
+        loss: Optional unscaled loss: a skip whose loss is not finite is a
+            forward overflow (for the monitor).
+        divide: Bool. Whether `grads` are scaled and must be divided.
+
+    Returns:
+        `(new_trainable_values, new_optimizer_values, finite)`.
+    """
+    _check_jax_buildable(optimizer)
+    inner = optimizer.inner_optimizer
+    variables = list(optimizer.variables)
+    if len(optimizer_variables) != len(variables):
+        raise ValueError(
+            "`optimizer_variables` must hold one value per variable of "
+            f"`optimizer.variables` ({len(variables)}). Received: "
+            f"{len(optimizer_variables)} values"
+        )
+    built = _keras_internals.built_variables(optimizer)
+    mapping = list(zip(variables, optimizer_variables))
+    with keras.StatelessScope(state_mapping=mapping):
+        scale = optimizer._kmp_scale.value
+        counters = optimizer.counters
+        flags_before = optimizer._nonfinite_gradients.value
+    grads = list(grads)
+    if optimizer.min_scale < 1.0 and divide:
+        # Dividing by less than 1 can overflow: check after unscaling.
+        grads, divide = _stateless_divide(optimizer, grads, built, scale), False
+    flags = _gradients.finite_flags(grads)
+    finite = _gradients.all_true(flags)
+    loss_finite = ops.convert_to_tensor(True) if loss is None else ops.all(ops.isfinite(loss))
+    if divide:
+        grads = _stateless_divide(optimizer, grads, built, scale)
+
+    inner_ids = {id(v) for v in inner.variables}
+    inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
+
+    def apply():
+        # Non-finite gradients never reach the inner optimizer's arithmetic.
+        return inner.stateless_apply(inner_values, grads, list(trainable_variables))
+
+    def skip():
+        return list(trainable_variables), inner_values
+
+    new_trainable, new_inner = ops.cond(finite, apply, skip)
+    monitored = optimizer._monitored
+    nonfinite = None
+    if monitored:
+        indices = [_keras_internals.variable_index(optimizer, v) for v in built]
+        nonfinite = _gradients.nonfinite_indicator(flags, indices, len(built))
+    decision = _Decision(finite, loss_finite, nonfinite)
+    rule = {name: getattr(optimizer, name) for name in _RULE_SETTINGS}
+    new_scale, new_counters = _next_state(scale, counters, decision, rule)
+    own = {
+        id(optimizer._kmp_scale): new_scale,
+        id(optimizer._counters): ops.stack(
+            [new_counters[name] for name in _COUNTERS]
+        ),
+    }
+    if monitored:
+        backward = ops.logical_and(ops.logical_not(finite), loss_finite)
+        own[id(optimizer._nonfinite_gradients)] = ops.where(backward, nonfinite, flags_before)
+    new_inner = iter(new_inner)
+    new_values = []
+    for variable, value in mapping:
+        if id(variable) in inner_ids:
+            new_values.append(next(new_inner))
+        else:
+            new_values.append(own.get(id(variable), value))
+    return list(new_trainable), new_values, finite
+
+
+def _stateless_divide(optimizer, grads, variables, scale):
+    # Variables Keras overwrites with their "gradient" are judged by the
+    # variable, not its value (keras-team/keras#21706).
+    keep = [_keras_internals.overwrites_with_gradient(optimizer, v) for v in variables]
+    if len(keep) != len(grads):
+        keep = None
+    return _gradients.divide(grads, scale, keep)
+
+
+def _jax_apply(optimizer, grads, trainable_variables, divide):
+    """`LossScaleOptimizer.apply` on JAX: the pure step, then assigned.
+
+    Returns:
+        Boolean scalar: whether the step was applied.
+    """
+    built = _keras_internals.built_variables(optimizer)
+    if [id(v) for v in trainable_variables] != [id(v) for v in built]:
+        raise ValueError(
+            "On the JAX backend kmp.LossScaleOptimizer.apply takes the variables it "
+            "was built with, in the same order (it runs one pure step over all of them). "
+            f"Received: {len(trainable_variables)} variables; built with {len(built)}"
+        )
+    new_trainable, new_values, finite = _stateless_step(
+        optimizer, _values(optimizer.variables), grads, _values(trainable_variables),
+        divide=divide,
+    )
+    for variable, value in zip(trainable_variables, new_trainable):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, new_values):
+        variable.assign(value)
+    return finite
+
+
+
+
+def _snapshot(value):
+    """A variable's value that later assignments leave as it is."""
+    return tf.identity(value) if _ON_TENSORFLOW else value  # JAX arrays never change
+
+
+def _outside_functions():
+    return tf.init_scope() if _ON_TENSORFLOW else contextlib.nullcontext()
+
+
+def _stateless_pass_through(optimizer, optimizer_variables, grads, trainable_variables):
+    """`stateless_apply` of a scaler with `enabled=False`: the inner optimizer's."""
+    own = len(optimizer.variables) - len(optimizer.inner_optimizer.variables)
+    new_trainable, new_inner = optimizer.inner_optimizer.stateless_apply(
+        list(optimizer_variables[own:]), grads, trainable_variables
+    )
+    return new_trainable, list(optimizer_variables[:own]) + list(new_inner)
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -753,16 +908,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # and one write per step, counted on the device.
         initial_counters = [0] * len(_COUNTERS)
         initial_counters[_COUNTERS.index("hysteresis_left")] = self.hysteresis
-        self._counters = _add_state_variable(self, "counters", (len(_COUNTERS),), "int64",
+        self._counters = _add_state_variable(self, "counters", (len(_COUNTERS),), _COUNTER_DTYPE,
                                              initial_counters)
         # 1 for each variable whose gradient overflowed at the latest
         # backward overflow; written only while a monitor asks for it.
         self._nonfinite_gradients = _add_state_variable(
-            self, "nonfinite_gradients", (len(var_list),), "int64", 0
+            self, "nonfinite_gradients", (len(var_list),), _COUNTER_DTYPE, 0
         )
+        if not _ON_TENSORFLOW:
+            _check_jax_buildable(self)
         if _accumulation_steps(self):
             self._accumulation_window = _add_state_variable(
-                self, "accumulation_window", (2,), "int64", 0
+                self, "accumulation_window", (2,), _COUNTER_DTYPE, 0
             )
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
@@ -774,7 +931,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return ops.convert_to_tensor(1.0, "float32")
         if not self.built:
             return ops.convert_to_tensor(self.initial_scale, "float32")
-        return tf.identity(self._kmp_scale.value)
+        return _snapshot(self._kmp_scale.value)
 
     @property
     def skipped_steps(self):
@@ -792,7 +949,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.built:
             values = [self.hysteresis if name == "hysteresis_left" else 0 for name in _COUNTERS]
-            values = ops.convert_to_tensor(values, "int64")
+            values = ops.convert_to_tensor(values, _COUNTER_DTYPE)
         else:
             values = self._counters.value
         return dict(zip(_COUNTERS, ops.unstack(values)))
@@ -836,11 +993,66 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._kmp_record.divided = True
         return _unscale(self, list(grads))
 
+    def stateless_scale_loss(self, optimizer_variables, loss):
+        """`scale_loss` with the scale read from `optimizer_variables` (JAX).
+
+        In a jitted JAX step the optimizer's variables are values passed in:
+        the one line a stateless train step or a `jax.grad` loss function
+        adds, with the values it passes to `stateless_apply`.
+
+        Example:
+
+        ```python
+        def loss_fn(trainable, non_trainable, optimizer_variables, x, y):
+            y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x)
+            loss = keras.losses.mean_squared_error(y, y_pred).mean()
+            return optimizer.stateless_scale_loss(optimizer_variables, loss), loss
+        ```
+        """
+        if not self.enabled:
+            return loss
+        if not self.built:
+            return self.scale_loss(loss)
+        mapping = list(zip(self.variables, optimizer_variables))
+        with keras.StatelessScope(state_mapping=mapping):
+            return self.scale_loss(loss)
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise NotImplementedError(
-            "kmp.LossScaleOptimizer supports the TensorFlow backend, which "
-            "does not call `stateless_apply`."
+        """`apply` as a pure function of values (Keras' JAX trainer calls it).
+
+        Args:
+            optimizer_variables: Values of `self.variables`, in order.
+            grads: Gradients of `scale_loss(loss)` (or of
+                `stateless_scale_loss`), one per trainable variable.
+            trainable_variables: Values of the variables the optimizer was
+                built with, in order.
+
+        Returns:
+            `(new_trainable_values, new_optimizer_values)`: on a skipped step
+            the trainable values and the inner optimizer's are the ones given;
+            the scale and counters always move.
+
+        Raises:
+            ValueError: if the optimizer is not built.
+        """
+        if not self.built:
+            raise ValueError(
+                f"To call `stateless_apply`, {type(self).__name__} must be built: "
+                "call `optimizer.build(trainable_variables)` first."
+            )
+        if not self.enabled:
+            return _stateless_pass_through(self, optimizer_variables, grads,
+                                           trainable_variables)
+        record = self._kmp_record
+        scaled, divided, _ = record.take()
+        record.applied, record.loss, record.last_loss = True, None, None
+        if not (scaled or divided):
+            _warn_once(self, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
+        divide = not divided and (scaled or not record.in_model_step)
+        new_trainable, new_values, _ = _stateless_step(
+            self, optimizer_variables, grads, trainable_variables, divide=divide
         )
+        return new_trainable, new_values
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars)
@@ -867,7 +1079,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # Built outside any tf.function: built inside one, in a replica of
             # MirroredStrategy, the variables' initializers are left as
             # placeholders in a cond, as Keras' own Adam's are.
-            with tf.init_scope(), keras.name_scope(self.name, caller=self):
+            with _outside_functions(), keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
         grads, trainable_variables = _keras_internals.filter_empty_gradients(
@@ -889,6 +1101,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"of a window). Received: gradient_accumulation_steps={_accumulation_steps(self)}"
             )
         divide = not divided and (scaled or not record.in_model_step)
+        if not _ON_TENSORFLOW:
+            record.finite = _jax_apply(self, grads, trainable_variables, divide)
+            record.retry = None
+            return record.finite
         record.finite, record.retry = _replicas.run_step(
             lambda replicas, *args: _step(self, replicas, *args, divide=divide,
                                           retries_left=retries_left),
@@ -903,9 +1119,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         steps), and the per-variable flags of the latest backward overflow."""
         counters = self._counters.value
         skipped, retries = _COUNTERS.index("skipped_steps"), _COUNTERS.index("retries")
-        step = ops.cast(self.iterations, "int64") + counters[skipped]
+        step = ops.cast(self.iterations, _COUNTER_DTYPE) + counters[skipped]
         monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:retries]])
-        return monitored, tf.identity(self._nonfinite_gradients.value)
+        return monitored, _snapshot(self._nonfinite_gradients.value)
 
     def get_config(self):
         config = {

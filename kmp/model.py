@@ -1,11 +1,13 @@
 """kmp.Model: a keras.Model whose training applies the precision policy."""
 
+import contextlib
 import functools
 import numbers
 
 import keras
 import numpy as np
 
+from kmp import _jax
 from kmp import _keras_internals
 from kmp import _precision
 from kmp import _train_step
@@ -24,6 +26,7 @@ _LOSS_SCALE_CHOICES = (
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 _MONITOR_LOG_PREFIX = _train_step.MONITOR_LOG_PREFIX
+_ON_TENSORFLOW = keras.backend.backend() == "tensorflow"
 
 
 def _loss_scale_optimizer(optimizer, loss_scale, model):
@@ -72,13 +75,19 @@ def _continue_scaling(model, previous, scaler):
         and model.built
     ):
         return
-    with model.distribute_strategy.scope():
+    with _strategy_scope(model):
         if not scaler.built:
             scaler.build(model.trainable_variables)
         scaler._kmp_scale.assign(
             min(max(float(previous.loss_scale), scaler.min_scale), scaler.max_scale)
         )
         scaler._counters.assign(previous._counters.value)
+
+
+def _strategy_scope(model):
+    if _ON_TENSORFLOW:
+        return model.distribute_strategy.scope()
+    return contextlib.nullcontext()
 
 
 def _check_loss_scale(loss_scale):
@@ -206,6 +215,14 @@ class Model(_keras_internals.ModelBase):
         _precision.settle_once(self)
         return _to_float32(super().__call__(*args, **kwargs))
 
+    def stateless_call(self, *args, **kwargs):
+        """`keras.Model.stateless_call` (JAX's path for fit, evaluate and
+        predict), with the first call's precision settled and float32
+        outputs, as `__call__`."""
+        _precision.settle_once(self)
+        outputs, *rest = super().stateless_call(*args, **kwargs)
+        return (_to_float32(outputs), *rest)
+
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries="auto",
                 **kwargs):
         """Configures the model for training, with loss scaling.
@@ -251,7 +268,22 @@ class Model(_keras_internals.ModelBase):
         """
         _check_loss_scale(loss_scale)
         _check_overflow_retries(overflow_retries)
-        distribute_module.check_strategy(self.distribute_strategy)
+        if _ON_TENSORFLOW:
+            distribute_module.check_strategy(self.distribute_strategy)
+        elif _jax.tf_strategy_in_use():
+            raise _jax.unsupported(
+                "A tf.distribute strategy",
+                "On JAX, set keras.distribution.DataParallel (or another keras.distribution) "
+                "before building the model instead.",
+            )
+        elif overflow_retries not in ("auto", 0):
+            raise ValueError(
+                "`overflow_retries` redoes a batch inside TensorFlow's train function; on "
+                "the JAX backend a batch whose gradients overflow is skipped and counted "
+                "(the scale backs off for the next one). Use overflow_retries='auto' or 0 "
+                "there, or the TensorFlow backend. Received: overflow_retries="
+                f"{overflow_retries!r}"
+            )
         if kwargs.pop("auto_scale_loss", True) is False and loss_scale == "auto":
             loss_scale = None
         optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
@@ -323,11 +355,14 @@ class Model(_keras_internals.ModelBase):
         """
         return [_to_float32(loss) for loss in super().losses]
 
-    def train_step(self, data):
+    def train_step(self, *args):
         """Keras' own step, with a skipped step kept out of the epoch's logs
         and, with `overflow_retries`, an overflowing batch redone (see
-        `kmp._train_step`)."""
-        return _train_step.run_train_step(self, data, super().train_step)
+        `kmp._train_step`). On JAX, `train_step(state, data)` as Keras' JAX
+        trainer calls it (see `kmp._jax.train_step`)."""
+        if not _ON_TENSORFLOW:
+            return _jax.train_step(self, *args, super().train_step)
+        return _train_step.run_train_step(self, *args, super().train_step)
 
     def reset_metrics(self):
         super().reset_metrics()
@@ -342,11 +377,14 @@ class Model(_keras_internals.ModelBase):
             # Once, on this instance (no class is changed): Keras' function
             # and kmp's call `self.train_step`, now with the scalers' logs.
             step = type(self).train_step
+            reporting = _train_step.reporting_scalers if _ON_TENSORFLOW else _jax.reporting_step
             object.__setattr__(
-                self, "train_step",
-                _train_step.reporting_scalers(self, step, own=step is Model.train_step),
+                self, "train_step", reporting(self, step, own=step is Model.train_step)
             )
         super().make_train_function(force=force)
+        if not _ON_TENSORFLOW:
+            self.train_function = _jax.without_monitor_logs(self, self.train_function)
+            return self.train_function
         keras_train_function = distribute_module.train_or_test_function(
             self, self.train_step, self.train_function
         )
@@ -376,6 +414,8 @@ class Model(_keras_internals.ModelBase):
         if self.test_function is not None and not force:
             return self.test_function
         super().make_test_function(force=force)
+        if not _ON_TENSORFLOW:
+            return self.test_function
         self.test_function = distribute_module.train_or_test_function(
             self, self.test_step, self.test_function
         )

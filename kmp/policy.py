@@ -385,17 +385,35 @@ def _runs_bfloat16(gpu_compute_capabilities, cpu_flags):
 
 
 def _gpus():
-    """`(device_name, details)` for each GPU TensorFlow sees.
+    """`(device_name, details)` for each GPU the backend sees.
 
     `details` as `tf.config.experimental.get_device_details` gives them
     (`"compute_capability"`, `"device_name"`; empty for a non-NVIDIA GPU).
+    On JAX, from JAX's devices (TensorFlow would take the GPU's memory).
     """
+    if keras.backend.backend() == "jax":
+        return _jax_gpus()
     import tensorflow as tf
 
     return [
         (gpu.name, tf.config.experimental.get_device_details(gpu))
         for gpu in tf.config.list_physical_devices("GPU")
     ]
+
+
+def _jax_gpus():
+    import jax
+
+    gpus = []
+    for device in jax.devices():
+        if device.platform != "gpu":
+            continue
+        details = {"device_name": getattr(device, "device_kind", str(device))}
+        capability = getattr(device, "compute_capability", None)  # "9.0" on CUDA
+        if capability:
+            details["compute_capability"] = tuple(int(part) for part in str(capability).split("."))
+        gpus.append((str(device), details))
+    return gpus
 
 
 def _gpu_compute_capabilities():

@@ -1,10 +1,31 @@
-"""Test set-up: TensorFlow backend, two logical CPUs, GPU memory growth, the
-`gpu` and `slow` markers, a clean policy and seed per test."""
+"""Test set-up: the backend, two logical CPUs, GPU memory growth, the
+`gpu` and `slow` markers, a clean policy and seed per test.
+
+The suite runs twice: on TensorFlow (the default), and with
+`KERAS_BACKEND=jax` on the files in `JAX_TESTS` (kmp's JAX support and the
+backend-independent tests); `.ci/run` and the README's test command run both.
+"""
 
 import os
 
-os.environ["KERAS_BACKEND"] = "tensorflow"
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+if BACKEND not in ("tensorflow", "jax"):
+    raise RuntimeError(f"kmp's tests run with KERAS_BACKEND=tensorflow or jax, not {BACKEND!r}")
+os.environ["KERAS_BACKEND"] = BACKEND
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if BACKEND == "jax":
+    # Two host devices for keras.distribution.DataParallel; set before JAX starts.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    ).strip()
+
+# The files the JAX pass runs; the TensorFlow pass runs every other file.
+JAX_TESTS = ("test_jax.py",)
+collect_ignore = (
+    [name for name in os.listdir(os.path.dirname(__file__))
+     if name.startswith("test_") and name.endswith(".py") and name not in JAX_TESTS]
+    if BACKEND == "jax" else ["test_jax.py"]
+)
 
 import tensorflow as tf  # noqa: E402
 

@@ -8,47 +8,11 @@ import tensorflow as tf
 from hypothesis import strategies as st
 from keras import ops
 
+from _helpers import ReferenceScaler
 from benchmarks import harness
 import kmp
 from kmp.loss_scale import LossScaleState
 from kmp.loss_scale import update_loss_scale
-
-
-class ReferenceScaler:
-    """The issue's state machine in plain Python, the scale rounded to float32
-    after every update as the float32 variable is."""
-
-    def __init__(self, initial_scale=2.0**15, dynamic=True, growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=2000, hysteresis=1,
-                 min_scale=1.0, max_scale=2.0**24):
-        self.scale = np.float32(initial_scale)
-        self.dynamic = dynamic
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
-        self.min_scale, self.max_scale = min_scale, max_scale
-        self.good_steps, self.hysteresis_left, self.skipped_steps = 0, hysteresis, 0
-        self.applied_steps = 0
-
-    def step(self, finite):
-        if not finite:
-            self.skipped_steps += 1
-            if self.dynamic:
-                self.good_steps = 0
-                self.hysteresis_left -= 1
-                if self.hysteresis_left <= 0:
-                    self.scale = np.float32(
-                        max(self.scale * np.float32(self.backoff_factor), self.min_scale)
-                    )
-            return
-        self.applied_steps += 1
-        if self.dynamic:
-            self.good_steps += 1
-            if self.good_steps == self.growth_interval:
-                self.good_steps = 0
-                self.hysteresis_left = self.hysteresis
-                self.scale = np.float32(
-                    min(self.scale * np.float32(self.growth_factor), self.max_scale)
-                )
 
 
 def _f32(x):

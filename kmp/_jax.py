@@ -1,0 +1,159 @@
+"""kmp on Keras' JAX backend: the loss-scaled step as a pure function.
+
+JAX traces a train step once and runs it as a pure function of its state:
+Keras' JAX trainer passes every variable's value in and takes the new values
+out (`stateless_apply`), and a branch (`jax.lax.cond`) must return what it
+changes instead of assigning it. So here the step of `kmp.loss_scale._step`
+is written as a function of values (`kmp.loss_scale._stateless_step`):
+
+```
+finite = all(isfinite(grads))                  # one program over all devices
+new_trainable, new_inner = cond(finite,
+    inner_optimizer.stateless_apply(unscale(grads)),  # clips, updates
+    (trainable, inner))                               # exactly as they were
+scale, counters = kmp.loss_scale._next_state(...)     # the same pure rule
+```
+
+Under `keras.distribution.DataParallel` the jitted step is one program over
+all devices, whose gradients are already the global ones: one decision, one
+skip counted, weights identical on every device, with no collective of kmp's.
+
+Here: `train_step` is kmp.Model's step on JAX (Keras' own, plus the unscaled loss
+for the check and a skipped step kept out of the metrics); `reporting_step`
+wraps any `train_step(state, data)` so that its logs carry `loss_scale` and
+`skipped_steps`.
+"""
+
+import functools
+
+import keras
+from keras import ops
+
+from kmp import _keras_internals
+from kmp import loss_scale as loss_scale_module
+
+
+def scaler_logs(model, optimizer_values):
+    """`loss_scale` and `skipped_steps` read from a step's new optimizer values."""
+    optimizer = model.optimizer
+    if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer) or not optimizer.enabled:
+        return {}
+    if not optimizer.built or len(optimizer_values) != len(optimizer.variables):
+        return {}
+    by_id = {id(v): value for v, value in zip(optimizer.variables, optimizer_values)}
+    counters = by_id[id(optimizer._counters)]
+    skipped = loss_scale_module._COUNTERS.index("skipped_steps")
+    return {"loss_scale": by_id[id(optimizer._kmp_scale)], "skipped_steps": counters[skipped]}
+
+
+def train_step(model, state, data, keras_train_step):
+    """kmp.Model's train step on JAX: Keras' own, with the loss-scaled step.
+
+    As Keras' `JAXTrainer.train_step`, except that the scaler also gets the
+    unscaled loss (a skip whose loss is not finite is a forward overflow),
+    and a skipped step leaves the metrics as they were (one poisoned batch
+    does not make the epoch's loss NaN).
+    """
+    trainable, non_trainable, optimizer_values, metrics_values = state
+    optimizer = model.optimizer
+    if not (isinstance(optimizer, loss_scale_module.LossScaleOptimizer) and optimizer.enabled):
+        return keras_train_step(state, data)
+    import jax
+
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+    (_, aux), grads = grad_fn(
+        trainable, non_trainable, metrics_values, x, y, sample_weight,
+        training=True, optimizer_variables=optimizer_values,
+    )
+    unscaled_loss, y_pred, non_trainable, new_metrics = aux
+    record = optimizer._kmp_record
+    scaled, divided, _ = record.take()
+    record.applied = True
+    if not scaled:
+        loss_scale_module._warn_once(optimizer, loss_scale_module._UNSCALED_WARNING)
+    trainable, optimizer_values, finite = loss_scale_module._stateless_step(
+        optimizer, optimizer_values, grads, trainable, loss=unscaled_loss,
+        divide=scaled and not divided,
+    )
+    logs, new_metrics = _keras_internals.update_metrics_variables(
+        model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight
+    )
+    kept = [ops.where(finite, new, old) for new, old in zip(new_metrics, metrics_values)]
+    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, kept))):
+        kept_logs = model.get_metrics_result()
+    logs = {
+        key: ops.where(finite, value, kept_logs[key]) if key in kept_logs else value
+        for key, value in logs.items()
+    }
+    if "loss" in logs:
+        # No step applied yet this epoch: the loss of the skipped one.
+        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, kept))):
+            count = _keras_internals.loss_tracker(model).count.value
+        logs["loss"] = ops.where(count > 0, logs["loss"], ops.cast(unscaled_loss, "float32"))
+    return logs, (trainable, non_trainable, optimizer_values, kept)
+
+
+def reporting_step(model, step, own):
+    """Wraps `step(model, state, data)` so that its logs carry the scaler's state.
+
+    As `kmp._train_step.reporting_scalers` on TensorFlow: the scalers learn
+    they run inside kmp.Model's step (a gradient of a loss that skipped
+    `scale_loss` is applied undivided, with a warning); the logs gain
+    `loss_scale` and `skipped_steps`, read from the step's new state.
+    """
+    from kmp import _optimizers
+    from kmp import _train_step
+
+    @functools.wraps(step)
+    def train_step_with_scaler_logs(state, data):
+        if not own:
+            _train_step.held_models_return_float32(model)
+        scalers = list(_optimizers.scaling_optimizers(model).values())
+        for optimizer in scalers:
+            optimizer._kmp_record.begin_model_step()
+        try:
+            logs, state = step(model, state, data)
+        finally:
+            for optimizer in scalers:
+                optimizer._kmp_record.in_model_step = False
+                # Nothing traced may outlive the trace.
+                optimizer._kmp_record.loss = optimizer._kmp_record.last_loss = None
+        if isinstance(logs, dict) and len(state) == 4:
+            logs = dict(logs, **scaler_logs(model, state[2]))
+        return logs, state
+
+    return train_step_with_scaler_logs
+
+
+def without_monitor_logs(model, keras_train_function):
+    """Keras' `train_function(state, iterator)`, whose logs lose the monitor's
+    values (kept on the model, as kmp.Model's TensorFlow train function does)."""
+    from kmp import _train_step
+
+    prefix = _train_step.MONITOR_LOG_PREFIX
+
+    def train_function(state, iterator):
+        logs, state = keras_train_function(state, iterator)
+        if isinstance(logs, dict):
+            object.__setattr__(model, "_kmp_monitor_logs", {
+                key[len(prefix):]: logs.pop(key) for key in list(logs) if key.startswith(prefix)
+            })
+        return logs, state
+
+    return train_function
+
+
+def tf_strategy_in_use():
+    """Whether a `tf.distribute` strategy's scope is open (no use on JAX)."""
+    import tensorflow as tf
+
+    return tf.distribute.has_strategy()
+
+
+def unsupported(feature, instead):
+    """The error for what kmp runs on TensorFlow only."""
+    return NotImplementedError(
+        f"{feature} needs the TensorFlow backend of Keras; this process runs "
+        f"KERAS_BACKEND={keras.backend.backend()!r}. {instead}"
+    )

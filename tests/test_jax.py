@@ -1,0 +1,550 @@
+"""kmp on Keras' JAX backend (the suite's `KERAS_BACKEND=jax` pass).
+
+Each part of what a JAX user runs: the policy, `kmp.Model`'s fit, evaluate
+and predict, the scaler as a functional optimizer under `jax.jit` (against
+the plain-Python state machine), a custom stateless `train_step` and a
+`jax.grad` loop with their one line, the logs and the monitor, data parallel
+over two host devices, export, `.keras` files, and the clear errors for what
+stays TensorFlow-only. `tests/conftest.py` runs this file only in that pass.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import keras
+import numpy as np
+import pytest
+from _helpers import ReferenceScaler
+from keras import ops
+
+import kmp
+from kmp import policy as policy_module
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="the KERAS_BACKEND=jax pass runs it"
+)
+
+
+def _mlp(outputs=3, activation=None, width=16):
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(width, activation="relu")(inputs)
+    return kmp.Model(inputs, keras.layers.Dense(outputs, activation=activation)(hidden))
+
+
+def _data(rows=64, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((rows, 8), dtype=np.float32), rng.integers(0, classes, rows)
+
+
+def _values(variables):
+    return [np.asarray(v.value if hasattr(v, "value") else v) for v in variables]
+
+
+# -- the policy ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, compute",
+    [("float32", "float32"), ("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")],
+)
+def test_set_policy_sets_keras_global_policy_on_jax(name, compute):
+    policy = kmp.set_policy(name)
+    assert policy.compute_dtype == compute
+    assert keras.config.dtype_policy().compute_dtype == compute
+    assert keras.layers.Dense(2).dtype_policy.compute_dtype == compute
+
+
+def test_auto_asks_jax_for_gpus_and_follows_the_rule():
+    gpus = policy_module._gpus()
+    assert [d.platform for d in jax.devices()].count("gpu") == len(gpus)
+    expected, _ = policy_module._choose_auto_policy(
+        policy_module._gpu_compute_capabilities(), policy_module._cpu_flags()
+    )
+    assert kmp.set_policy("auto").name == expected
+    assert kmp.get_policy().reason.startswith("auto: ")
+
+
+# -- kmp.Model: fit, evaluate, predict ------------------------------------------
+
+
+def test_fit_evaluate_predict_in_float16_log_the_scaler_and_return_float32():
+    kmp.set_policy("mixed_float16")
+    model = _mlp(activation="softmax")
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+    x, y = _data()
+    history = model.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    assert history.history["loss_scale"] == [2.0**15, 2.0**15]
+    assert history.history["skipped_steps"] == [0, 0]
+    assert history.history["loss"][1] < history.history["loss"][0]
+    assert int(model.optimizer.iterations) == 8
+    assert model.layers[1].compute_dtype == "float16"
+    predictions = model.predict(x[:4], verbose=0)
+    assert predictions.dtype == np.float32
+    np.testing.assert_allclose(predictions.sum(axis=1), 1.0, rtol=1e-3)
+    assert model(x[:4]).dtype == "float32"
+    loss, accuracy = model.evaluate(x, y, verbose=0)
+    assert np.isfinite(loss) and 0 <= accuracy <= 1
+
+
+def test_a_step_that_overflows_changes_no_weight_slot_or_iteration_and_is_counted():
+    kmp.set_policy("mixed_float16")
+    model = _mlp()
+    optimizer = kmp.LossScaleOptimizer("adam", initial_scale=2.0**8, growth_interval=5)
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    x, y = _data(rows=16)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # builds; finite at 2**8
+    assert int(optimizer.iterations) == 1
+    weights, slots = _values(model.trainable_variables), _values(optimizer.inner_optimizer.variables)
+    before = {k: int(v) for k, v in optimizer.counters.items()}
+    history = model.fit(x * 1e5, y, batch_size=16, epochs=1, verbose=0)  # float16 overflows
+    for old, new in zip(weights, _values(model.trainable_variables)):
+        np.testing.assert_array_equal(old, new)
+    for old, new in zip(slots, _values(optimizer.inner_optimizer.variables)):
+        np.testing.assert_array_equal(old, new)
+    assert int(optimizer.iterations) == 1
+    assert int(optimizer.skipped_steps) == before["skipped_steps"] + 1
+    assert float(optimizer.loss_scale) == 2.0**7
+    assert history.history["skipped_steps"] == [1]
+    # The skipped step's metrics stay out of the epoch's (accuracy of no step).
+    assert history.history["accuracy"] == [0.0]
+
+
+def test_overflow_retries_other_than_auto_or_0_are_a_clear_error_on_jax():
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"JAX backend.*overflow_retries='auto' or 0.*Received: overflow_retries=2"):
+        model.compile("sgd", "mse", overflow_retries=2)
+    model.compile("sgd", "mse", overflow_retries=0)  # accepted: nothing to redo
+
+
+def test_float32_layers_and_exact_token_ids_are_settled_on_jax():
+    kmp.set_policy("mixed_float16")
+    ids = keras.Input((4,))
+    embedded = keras.layers.Embedding(5000, 4)(ids)
+    normalized = keras.layers.UnitNormalization()(embedded)
+    model = kmp.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(normalized)))
+    x = np.array([[2049.0, 4095.0, 3.0, 4999.0]], np.float32)  # not float16-exact
+    out = model.predict(x, verbose=0)
+    assert out.dtype == np.float32
+    table = np.asarray(model.layers[1].embeddings.value)
+    # What the embedding looked up: the rows of the exact ids.
+    probe = keras.Model(ids, model.layers[1].output)
+    looked_up = np.asarray(probe.predict(x, verbose=0), np.float32)
+    np.testing.assert_allclose(looked_up[0], table[[2049, 4095, 3, 4999]].astype(np.float16),
+                               rtol=0, atol=0)
+    assert model.layers[2].compute_dtype == "float32"
+
+
+def test_convert_and_summary_bring_a_plain_keras_model_to_jax():
+    plain = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(16), keras.layers.LayerNormalization(),
+        keras.layers.Dense(3),
+    ])
+    kmp.set_policy("mixed_float16")
+    model = kmp.convert(plain)
+    assert [layer.name for layer in model.layers] == [layer.name for layer in plain.layers]
+    assert plain.layers[0].compute_dtype == "float32"  # the argument is untouched
+    lines = []
+    rows = kmp.summary(model, print_fn=lines.append)
+    assert [r["compute_dtype"] for r in rows if r["class"] == "Dense"] == ["float16", "float16"]
+    assert "mixed_float16" in lines[0]
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    history = model.fit(x, y, epochs=1, verbose=0)
+    assert history.history["loss_scale"] == [2.0**15]
+    assert model.predict(x[:2], verbose=0).dtype == np.float32
+
+
+# -- the scaler as a functional optimizer ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(initial_scale=8.0, growth_interval=2, hysteresis=1),
+        dict(initial_scale=2.0**10, growth_interval=3, hysteresis=2, backoff_factor=0.25),
+        dict(initial_scale=4.0, growth_interval=1, min_scale=2.0, max_scale=16.0),
+        dict(initial_scale=64.0, dynamic=False),
+    ],
+)
+def test_stateless_apply_under_jit_follows_the_reference_state_machine(config):
+    rng = np.random.default_rng(1)
+    w = keras.Variable(rng.normal(size=(3,)).astype("float32"))
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), **config)
+    optimizer.build([w])
+    reference = ReferenceScaler(**config)
+    apply = jax.jit(optimizer.stateless_apply)
+    weights, values = [w.value], [v.value for v in optimizer.variables]
+    expected = np.asarray(w.value, np.float64)
+    for finite in [True, True, False, True, False, False, True, True, True, False, True]:
+        gradient = rng.normal(size=(3,)).astype("float32")
+        scaled = gradient * np.float32(reference.scale)
+        if not finite:
+            scaled[1] = np.inf if rng.random() < 0.5 else np.nan
+        with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
+            optimizer.scale_loss(1.0)  # the step's loss went through scale_loss
+        weights, values = apply(values, [scaled], weights)
+        if finite:
+            expected = expected - 0.1 * np.float64(gradient)
+        reference.step(finite)
+        with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
+            assert float(optimizer.loss_scale) == reference.scale
+            counters = {k: int(v) for k, v in optimizer.counters.items()}
+            assert int(optimizer.iterations) == reference.applied_steps
+        assert counters["skipped_steps"] == reference.skipped_steps
+        if reference.dynamic:
+            assert counters["good_steps"] == reference.good_steps
+            assert counters["hysteresis_left"] == reference.hysteresis_left
+        np.testing.assert_allclose(np.asarray(weights[0]), expected, rtol=1e-6)
+
+
+def test_a_skipped_stateless_step_returns_the_inner_slots_and_weights_unchanged():
+    w = keras.Variable(np.ones((2,), "float32"))
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(0.1))
+    optimizer.build([w])
+    values = [v.value for v in optimizer.variables]
+    weights, new_values = jax.jit(optimizer.stateless_apply)(
+        values, [np.array([np.nan, 1.0], np.float32)], [w.value]
+    )
+    np.testing.assert_array_equal(np.asarray(weights[0]), np.ones(2))
+    inner = {id(v) for v in optimizer.inner_optimizer.variables}
+    for variable, old, new in zip(optimizer.variables, values, new_values):
+        if id(variable) in inner:
+            np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, new_values))):
+        assert float(optimizer.loss_scale) == 2.0**14
+        assert int(optimizer.skipped_steps) == 1
+
+
+def test_stateless_apply_needs_a_built_optimizer():
+    optimizer = kmp.LossScaleOptimizer("sgd")
+    with pytest.raises(ValueError, match="must be built"):
+        optimizer.stateless_apply([], [], [])
+
+
+def test_gradient_accumulation_is_a_clear_error_on_jax():
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))
+    with pytest.raises(ValueError, match=r"JAX backend.*gradient_accumulation_steps=2"):
+        optimizer.build([keras.Variable(np.ones(2, "float32"))])
+
+
+def _grad_loop(model, optimizer, x, y, steps, scale_line=True):
+    """keras.io's stateless JAX loop; `scale_line`: the one line kmp adds."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def compute_loss(trainable, non_trainable, optimizer_variables, x, y):
+        y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x)
+        loss = loss_fn(y, y_pred)
+        if scale_line:
+            return optimizer.stateless_scale_loss(optimizer_variables, loss), (loss, non_trainable)
+        return loss, (loss, non_trainable)
+
+    grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
+
+    @jax.jit
+    def train_step(state, x, y):
+        trainable, non_trainable, optimizer_variables = state
+        (_, (loss, non_trainable)), grads = grad_fn(
+            trainable, non_trainable, optimizer_variables, x, y
+        )
+        trainable, optimizer_variables = optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        return loss, (trainable, non_trainable, optimizer_variables)
+
+    optimizer.build(model.trainable_variables)
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in optimizer.variables],
+    )
+    for _ in range(steps):
+        loss, state = train_step(state, x, y)
+    return float(loss), state
+
+
+def test_a_jax_grad_loop_with_one_line_equals_the_unscaled_float32_loop():
+    x, y = _data(rows=32)
+    keras.utils.set_random_seed(3)
+    model = _mlp()
+    initial = _values(model.trainable_variables)
+    _, (scaled_weights, _, optimizer_values) = _grad_loop(
+        model, kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), x, y, steps=5
+    )
+    for variable, value in zip(model.trainable_variables, initial):
+        variable.assign(value)
+    _, (plain_weights, _, _) = _grad_loop(model, keras.optimizers.SGD(0.1), x, y, steps=5,
+                                          scale_line=False)
+    # Scaling by 2**15 and dividing again is exact in float32.
+    for scaled, plain in zip(scaled_weights, plain_weights):
+        np.testing.assert_array_equal(np.asarray(scaled), np.asarray(plain))
+    assert float(optimizer_values[2]) == 2.0**15  # the loss_scale variable
+
+
+def test_a_jax_grad_loop_without_the_line_warns_once_naming_it():
+    x, y = _data(rows=32)
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _grad_loop(_mlp(), optimizer, x, y, steps=3, scale_line=False)
+    messages = [str(w.message) for w in caught if "kmp.LossScaleOptimizer" in str(w.message)]
+    assert len(messages) == 1
+    assert "scale_loss" in messages[0] and "divided" in messages[0]
+
+
+class _StatelessStepModel(kmp.Model):
+    """keras.io's "customizing fit() with JAX" model, with kmp's one line."""
+
+    def __init__(self, scale_line=True, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(1)
+        self.scale_line = scale_line
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def compute_loss_and_updates(self, trainable, non_trainable, optimizer_variables, x, y):
+        y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x)
+        loss = ops.mean(ops.square(y_pred - y))
+        if self.scale_line:
+            scaled = self.optimizer.stateless_scale_loss(optimizer_variables, loss)
+        else:
+            scaled = loss
+        return scaled, (loss, non_trainable)
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (_, (loss, non_trainable)), grads = grad_fn(
+            trainable, non_trainable, optimizer_variables, x, y
+        )
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        return {"loss": loss}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+@pytest.mark.parametrize("scale_line", [True, False])
+def test_a_custom_stateless_train_step_is_protected_and_reports(scale_line):
+    kmp.set_policy("float32")
+    x = np.random.default_rng(0).random((32, 8), dtype=np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    keras.utils.set_random_seed(5)
+    model = _StatelessStepModel(scale_line=scale_line)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss_scale="dynamic")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    messages = [str(w.message) for w in caught if "kmp.LossScaleOptimizer" in str(w.message)]
+    assert history.history["loss_scale"] == [2.0**15, 2.0**15]
+    assert history.history["skipped_steps"] == [0, 0]
+    # The same steps as plain SGD on the unscaled loss: with the line the
+    # scale cancels exactly; without it the gradients are applied as they
+    # are (never divided by 2**15), and a warning names the line.
+    keras.utils.set_random_seed(5)
+    reference = _StatelessStepModel(scale_line=False)
+    reference.compile(optimizer=keras.optimizers.SGD(0.01), loss_scale=None)
+    reference.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    for ours, theirs in zip(model.trainable_variables, reference.trainable_variables):
+        np.testing.assert_allclose(np.asarray(ours.value), np.asarray(theirs.value), rtol=1e-6)
+    if scale_line:
+        assert messages == []
+    else:
+        assert len(messages) == 1
+        assert "stateless_scale_loss" in messages[0] or "scale_loss" in messages[0]
+        assert "self.optimizer" in messages[0]
+
+
+def test_eager_apply_skips_and_counts_like_the_traced_step():
+    optimizer = kmp.LossScaleOptimizer("sgd", initial_scale=8.0)
+    w = keras.Variable(np.ones((3,), "float32"))
+    optimizer.build([w])
+    grads = jax.grad(lambda v: optimizer.scale_loss(ops.sum(v * 2.0)))(w.value)
+    assert bool(optimizer.apply([grads], [w]))
+    np.testing.assert_allclose(np.asarray(w.value), 1.0 - 0.01 * 2.0)
+    grads = jax.grad(lambda v: optimizer.scale_loss(ops.sum(v * np.inf)))(w.value)
+    assert not bool(optimizer.apply([grads], [w]))
+    np.testing.assert_allclose(np.asarray(w.value), 1.0 - 0.01 * 2.0)
+    assert float(optimizer.loss_scale) == 4.0 and int(optimizer.skipped_steps) == 1
+    assert int(optimizer.iterations) == 1
+
+
+# -- logs, TensorBoard, CSV and the monitor ----------------------------------------
+
+
+def test_loss_scale_and_skipped_steps_reach_csv_tensorboard_and_the_monitor(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = _mlp()
+    model.compile(kmp.LossScaleOptimizer("sgd", initial_scale=2.0**24),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(rows=32)
+    x[0] = 3e4  # the first batch overflows until the scale is low enough
+    monitor = kmp.callbacks.LossScaleMonitor(verbose=0, csv_path=str(tmp_path / "steps.csv"),
+                                             plot_path=str(tmp_path / "scale.png"))
+    callbacks = [monitor, keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+                 keras.callbacks.TensorBoard(str(tmp_path / "tb"))]
+    history = model.fit(x, y, epochs=2, batch_size=32, shuffle=False, verbose=0,
+                        callbacks=callbacks)
+    skipped = history.history["skipped_steps"]
+    assert skipped[-1] == int(model.optimizer.skipped_steps) >= 1
+    with open(tmp_path / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["skipped_steps"]) for r in rows] == skipped
+    assert [float(r["loss_scale"]) for r in rows] == history.history["loss_scale"]
+    import tensorflow as tf
+
+    tags = set()
+    for root, _, files in os.walk(tmp_path / "tb" / "train"):
+        for name in files:
+            for event in tf.compat.v1.train.summary_iterator(os.path.join(root, name)):
+                tags.update(v.tag for v in event.summary.value)
+    assert {"epoch_loss_scale", "epoch_skipped_steps"} <= tags
+    # The monitor: every skip, its reason, the variables, the plot.
+    summaries = monitor.epoch_summaries
+    assert sum(s["skipped"] for s in summaries) == skipped[-1]
+    assert sum(s["backward"] for s in summaries) == skipped[-1]
+    assert summaries[0]["nonfinite_variables"]
+    with open(tmp_path / "steps.csv") as f:
+        steps = list(csv.DictReader(f))
+    assert len(steps) == 2
+    assert sum(int(r["skipped"]) for r in steps) == skipped[-1]
+    assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+# -- data parallel over two host devices ------------------------------------------
+
+
+def test_data_parallel_takes_one_decision_counts_a_skip_once_and_keeps_replicas_equal():
+    devices = jax.devices("cpu")
+    assert len(devices) == 2, "tests/conftest.py asks XLA for two host devices"
+    x, y = _data(rows=64)
+    x[3] = 3e4  # one sample, on one device's half of a batch, overflows float16
+
+    def run(distribution):
+        keras.distribution.set_distribution(distribution)
+        try:
+            keras.utils.set_random_seed(0)
+            kmp.set_policy("mixed_float16")
+            model = _mlp()
+            model.compile(kmp.LossScaleOptimizer("sgd", initial_scale=2.0**24),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+            return model, history.history
+        finally:
+            keras.distribution.set_distribution(None)
+
+    model, history = run(keras.distribution.DataParallel(devices=devices))
+    single, single_history = run(None)
+    assert history["skipped_steps"] == single_history["skipped_steps"]
+    assert history["skipped_steps"][-1] >= 1
+    assert history["loss_scale"] == single_history["loss_scale"]
+    assert int(model.optimizer.iterations) == int(single.optimizer.iterations)
+    for variable in model.trainable_variables:
+        shards = [np.asarray(s.data) for s in variable.value.addressable_shards]
+        assert len(shards) == 2
+        np.testing.assert_array_equal(shards[0], shards[1])
+    for ours, theirs in zip(model.trainable_variables, single.trainable_variables):
+        np.testing.assert_allclose(np.asarray(ours.value), np.asarray(theirs.value), atol=1e-3)
+
+
+# -- export and files -------------------------------------------------------------
+
+
+def test_export_writes_float32_signatures_and_load_model_takes_another_policy(tmp_path):
+    import tensorflow as tf
+
+    kmp.set_policy("mixed_float16")
+    model = _mlp()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.export(str(tmp_path / "served"), inference_policy="float32")
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    outputs = served.serve(tf.constant(x[:4]))
+    assert outputs.dtype == tf.float32
+    signature = served.signatures["serving_default"]
+    assert [spec.dtype for spec in signature.structured_input_signature[1].values()] == [tf.float32]
+    assert [spec.dtype for spec in signature.structured_outputs.values()] == [tf.float32]
+    model.save(str(tmp_path / "model.keras"))
+    loaded = kmp.load_model(str(tmp_path / "model.keras"), policy="float32")
+    assert loaded.layers[1].compute_dtype == "float32"
+    np.testing.assert_allclose(outputs.numpy(), loaded.predict(x[:4], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_keras_file_round_trips_scaler_state_keep_float32_and_policy(tmp_path):
+    kmp.set_policy("mixed_float16")
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="first"),
+                              keras.layers.Dense(3, name="last")])
+    model = kmp.convert(plain, keep_float32=["first"])
+    model.compile(kmp.LossScaleOptimizer("adam", initial_scale=2.0**20, hysteresis=2),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    x[0] = 3e4
+    model.fit(x, y, epochs=1, batch_size=64, verbose=0)
+    counters = {k: int(v) for k, v in model.optimizer.counters.items()}
+    model.save(str(tmp_path / "model.keras"))
+    kmp.set_policy("float32")
+    loaded = keras.saving.load_model(str(tmp_path / "model.keras"))
+    assert float(loaded.optimizer.loss_scale) == float(model.optimizer.loss_scale)
+    assert {k: int(v) for k, v in loaded.optimizer.counters.items()} == counters
+    assert loaded.optimizer.hysteresis == 2
+    np.testing.assert_array_equal(loaded.predict(x[:4], verbose=0), model.predict(x[:4], verbose=0))
+    # Settled at the first call, as the model saved was.
+    assert loaded.get_layer("first").compute_dtype == "float32"
+    assert loaded.get_layer("last").compute_dtype == "float16"
+
+
+def test_backup_and_restore_resumes_on_jax(tmp_path):
+    kmp.set_policy("mixed_float16")
+    x, y = _data()
+
+    class Stop(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:  # epoch 1's backup is written as epoch 2 begins
+                raise RuntimeError("interrupted")
+
+    model = _mlp()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = kmp.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, epochs=3, verbose=0, callbacks=[backup, Stop()])
+    resumed = _mlp()
+    resumed.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = resumed.fit(x, y, epochs=3, verbose=0,
+                          callbacks=[kmp.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    assert history.epoch == [1, 2]
+    assert int(resumed.optimizer.iterations) == 3 * 2
+
+
+# -- what stays TensorFlow-only ---------------------------------------------------
+
+
+def test_diagnose_is_one_clear_error_naming_the_backend_and_the_alternative():
+    model = _mlp()
+    with pytest.raises(NotImplementedError, match=r"TensorFlow backend.*KERAS_BACKEND='jax'.*LossScaleMonitor"):
+        kmp.diagnose(model, _data())
+
+
+def test_a_tf_distribute_strategy_is_one_clear_error_naming_keras_distribution():
+    import tensorflow as tf
+
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        model = _mlp()
+        with pytest.raises(NotImplementedError, match=r"tf.distribute.*DataParallel"):
+            model.compile("sgd", "mse")
+
+
+def test_other_backends_get_a_clear_error_at_import():
+    env = dict(os.environ, KERAS_BACKEND="numpy")
+    result = subprocess.run([sys.executable, "-c", "import kmp"], env=env,
+                            capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode != 0
+    assert "kmp supports the TensorFlow and JAX backends" in result.stderr
+    assert "backend='numpy'" in result.stderr

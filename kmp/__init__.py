@@ -1,4 +1,4 @@
-"""kmp: mixed precision for Keras 3 on TensorFlow, in one line.
+"""kmp: mixed precision for Keras 3 on TensorFlow and JAX, in one line.
 
 ```python
 import kmp
@@ -10,15 +10,28 @@ from kmp import _command
 
 # `kmp doctor` must start when TensorFlow is missing or broken, to say so
 # (kmp/_command.py); every other `import kmp` fails here as before.
-with _command.keep_import_error():
-    import keras as _keras
+_BACKENDS = ("tensorflow", "jax")
 
-    if _keras.backend.backend() not in ("tensorflow", "jax"):
+
+def _check_backend(backend):
+    if backend not in _BACKENDS:
         raise ImportError(
             "kmp supports the TensorFlow and JAX backends of Keras. Received: "
-            f"backend={_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow or "
-            "KERAS_BACKEND=jax before importing keras."
+            f"backend={backend!r}. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax "
+            "before importing keras."
         )
+
+
+with _command.keep_import_error():
+    import os as _os
+    import sys as _sys
+
+    if "keras" not in _sys.modules and _os.environ.get("KERAS_BACKEND"):
+        # Before Keras imports a backend it may not have (torch).
+        _check_backend(_os.environ["KERAS_BACKEND"])
+    import keras as _keras
+
+    _check_backend(_keras.backend.backend())
 
     from kmp import callbacks
     from kmp.convert import convert

@@ -4,7 +4,8 @@ docs/*.md runs, and every relative link resolves.
 A file's blocks run in order in one namespace (a guide builds on its earlier
 blocks), in a fresh Python process started in an empty temporary directory, on
 the CPU. `<!-- no-run: why -->` on the line just before a block leaves it out;
-the reason is required (a GPU, several workers, a network).
+the reason is required (a GPU, several workers, a network). A file with
+`<!-- backend: jax -->` runs with `KERAS_BACKEND=jax` (docs/jax.md).
 """
 
 import ast
@@ -23,6 +24,7 @@ _ROOT = pathlib.Path(__file__).parents[1]
 _DOCS = sorted([_ROOT / "README.md", *(_ROOT / "docs").glob("*.md")])
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _NO_RUN = re.compile(r"^<!--\s*no-run(?::\s*(?P<why>.*?))?\s*-->\s*$")
+_BACKEND = re.compile(r"^<!--\s*backend:\s*(?P<backend>\w+)\s*-->\s*$", re.MULTILINE)
 
 
 def _blocks(path):
@@ -82,7 +84,8 @@ def test_every_python_block_runs(path, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     env = child_env(gpu=False)
-    env["KERAS_BACKEND"] = "tensorflow"
+    backend = _BACKEND.search(path.read_text())
+    env["KERAS_BACKEND"] = backend.group("backend") if backend else "tensorflow"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     result = subprocess.run(
         [sys.executable, str(tmp_path / "run_blocks.py"), str(tmp_path / "blocks.json")],
@@ -194,13 +197,17 @@ def test_readme_is_a_front_page():
     readme = (_ROOT / "README.md").read_text()
     lines = readme.splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines"
-    # The set-up commands come first: the quickstart, then the whole suite.
+    # The set-up commands come first: the quickstart, then the whole suite
+    # (the TensorFlow pass, then the JAX pass), as .ci/run runs it.
     assert lines[2:6] == [
         "```bash",
         'pip install -e ".[examples]" && python examples/quickstart.py',
-        'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile',
+        'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile'
+        " && KERAS_BACKEND=jax python -m pytest -q -n 2 --dist loadfile",
         "```",
     ]
+    ci = (_ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -q -n 2 --dist loadfile\n    jax_pass python\n" in ci
     # Nothing in it points outside the repository.
     for path in _DOCS:
         text = path.read_text()

@@ -67,14 +67,9 @@ def train_step(model, state, data, keras_train_step):
         training=True, optimizer_variables=optimizer_values,
     )
     unscaled_loss, y_pred, non_trainable, new_metrics = aux
-    record = optimizer._kmp_record
-    scaled, divided, _ = record.take()
-    record.applied = True
-    if not scaled:
-        loss_scale_module._warn_once(optimizer, loss_scale_module._UNSCALED_WARNING)
+    divide, _ = loss_scale_module._take_record(optimizer)
     trainable, optimizer_values, finite = loss_scale_module._stateless_step(
-        optimizer, optimizer_values, grads, trainable, loss=unscaled_loss,
-        divide=scaled and not divided,
+        optimizer, optimizer_values, grads, trainable, loss=unscaled_loss, divide=divide
     )
     logs, new_metrics = _keras_internals.update_metrics_variables(
         model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from kmp.loss_scale import LossScaleOptimizer
+from kmp.loss_scale import monitor_state
 
 
 def optimizers_by_attribute(model):
@@ -62,5 +63,5 @@ def read_counters(optimizer):
     """Host read of `[step, skipped, forward, consecutive, consecutive_forward]`."""
     if not optimizer.built:
         return np.zeros(5, dtype=np.int64)
-    counters, _ = optimizer._monitor_state()
+    counters, _ = monitor_state(optimizer)
     return np.asarray(counters)

@@ -305,7 +305,7 @@ def scaler_logs(model, applied, retrying=False):
         # all-reduce each of them, and collectives of different shapes
         # can be ordered differently on each replica; the monitor reads
         # the optimizer instead.
-        counters, nonfinite_gradients = scalers[0]._monitor_state()
+        counters, nonfinite_gradients = loss_scale_module.monitor_state(scalers[0])
         logs[MONITOR_LOG_PREFIX + "counters"] = counters
         logs[MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
         logs[MONITOR_LOG_PREFIX + "loss"] = ops.cast(loss, "float32")

@@ -254,7 +254,7 @@ def _read_step(model, optimizer, logs, loss_log="loss"):
         # Not a kmp.Model, several replicas, a custom train_step or another
         # optimizer: read the optimizer (one small host read per step) and
         # take the loss from the logs (the epoch's mean, for Keras' own step).
-        counters, nonfinite_gradients = optimizer._monitor_state()
+        counters, nonfinite_gradients = loss_scale_module.monitor_state(optimizer)
         loss = float(logs.get(loss_log, logs.get("loss", float("nan"))))
     counters = np.asarray(counters).tolist()  # Python ints: cheap below
     if own and "loss_scale" in logs:

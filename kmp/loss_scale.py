@@ -157,7 +157,7 @@ def update_loss_scale(
 
 
 # The layout of `LossScaleOptimizer`'s int64 counter vector. From
-# "skipped_steps" on, the order is the one `_monitor_state` hands the monitor.
+# "skipped_steps" on, the order is the one `monitor_state` hands the monitor.
 _COUNTERS = (
     "good_steps",
     "hysteresis_left",
@@ -183,8 +183,7 @@ _UNSCALED_WARNING = (
     "not scaled: `scale_loss` did not run for this optimizer in this train step. "
     "They are applied as they are (not divided by the loss scale) and non-finite "
     "steps are still skipped, but small float16 gradients can underflow to zero. "
-    "Add one line inside the tape, `scaled_loss = {attribute}.scale_loss(loss)`, "
-    "and take `tape.gradient(scaled_loss, ...)` (keep `loss` for your metrics)."
+    "{add_line} (keep `loss` for your metrics)."
 )
 
 _DIVIDED_WARNING = (
@@ -192,9 +191,17 @@ _DIVIDED_WARNING = (
     "`scale_loss` did not run for it since its last `apply`, as Keras' "
     "LossScaleOptimizer does: right for gradients scaled by hand, too small by the "
     "scale for gradients of a loss that was not scaled. Outside `kmp.Model`'s train "
-    "step kmp cannot tell them apart. Add one line inside the tape, `scaled_loss = "
-    "optimizer.scale_loss(loss)`, and take `tape.gradient(scaled_loss, ...)`."
+    "step kmp cannot tell them apart. {add_line}."
 )
+
+# The line a warning asks for, on each backend (JAX's steps are stateless).
+_ADD_LINE = {
+    "tensorflow": "Add one line inside the tape, `scaled_loss = {attribute}.scale_loss(loss)`, "
+                  "and take `tape.gradient(scaled_loss, ...)`",
+    "jax": "Add one line in the function you differentiate, `scaled_loss = "
+           "{attribute}.stateless_scale_loss(optimizer_variables, loss)`, and differentiate "
+           "`scaled_loss`",
+}
 
 _DEFAULT_GROWTH_INTERVAL = 2000
 
@@ -237,10 +244,12 @@ def _warn_once(optimizer, template):
         return
     optimizer._warned.add(template)
     attribute = getattr(optimizer, "_kmp_attribute", None)
+    attribute = f"self.{attribute}" if attribute else "optimizer"
+    add_line = _ADD_LINE.get(keras.backend.backend(), _ADD_LINE["tensorflow"])
     message = template.format(
         name=optimizer.name,
-        held_as=f" (the model's `{attribute}`)" if attribute else "",
-        attribute=f"self.{attribute}" if attribute else "optimizer",
+        held_as=f" (the model's `{attribute[5:]}`)" if attribute != "optimizer" else "",
+        add_line=add_line.format(attribute=attribute),
     )
     warnings.warn(message, stacklevel=_user_stacklevel())
 
@@ -788,6 +797,51 @@ def _outside_functions():
     return tf.init_scope() if _ON_TENSORFLOW else contextlib.nullcontext()
 
 
+def monitor_state(optimizer):
+    """`(counters, nonfinite_gradients)` for `kmp.callbacks.LossScaleMonitor`:
+    `[step, skipped_steps, forward_overflows, consecutive_skips,
+    consecutive_forward_overflows]` (`step` counts applied and skipped
+    steps), and the per-variable flags of the latest backward overflow."""
+    counters = optimizer._counters.value
+    skipped, retries = _COUNTERS.index("skipped_steps"), _COUNTERS.index("retries")
+    step = ops.cast(optimizer.iterations, _COUNTER_DTYPE) + counters[skipped]
+    monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:retries]])
+    return monitored, _snapshot(optimizer._nonfinite_gradients.value)
+
+
+def _take_record(optimizer):
+    """`(divide, loss)` from what `scale_loss` recorded since the last apply.
+
+    Clears the record; warns once where no loss went through `scale_loss`:
+    inside kmp.Model's train step such gradients are applied undivided,
+    elsewhere divided (as Keras' LossScaleOptimizer divides them).
+    """
+    record = optimizer._kmp_record
+    scaled, divided, loss = record.take()
+    record.applied, record.last_loss = True, loss
+    if not (scaled or divided):
+        _warn_once(optimizer, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
+    return not divided and (scaled or not record.in_model_step), loss
+
+
+def _stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
+    """`LossScaleOptimizer.stateless_apply` (see `_stateless_step`)."""
+    if not optimizer.built:
+        raise ValueError(
+            f"To call `stateless_apply`, {type(optimizer).__name__} must be built: "
+            "call `optimizer.build(trainable_variables)` first."
+        )
+    if not optimizer.enabled:
+        return _stateless_pass_through(optimizer, optimizer_variables, grads, trainable_variables)
+    divide, _ = _take_record(optimizer)
+    # A loss recorded in a traced function must not outlive its trace.
+    optimizer._kmp_record.last_loss = None
+    new_trainable, new_values, _ = _stateless_step(
+        optimizer, optimizer_variables, grads, trainable_variables, divide=divide
+    )
+    return new_trainable, new_values
+
+
 def _stateless_pass_through(optimizer, optimizer_variables, grads, trainable_variables):
     """`stateless_apply` of a scaler with `enabled=False`: the inner optimizer's."""
     own = len(optimizer.variables) - len(optimizer.inner_optimizer.variables)
@@ -826,8 +880,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     Gradients of a loss that did not go through `scale_loss` are never
     divided inside `kmp.Model`'s train step, and divided as Keras divides
     them elsewhere, with a warning either way (see this module's docstring).
-    The scale and the counters are variables that checkpoints and `.keras`
-    files carry; Keras' `fit` on a plain `keras.Model` uses it as it is.
+    On JAX, `stateless_apply` and `stateless_scale_loss` are the same step as
+    pure functions of values. Checkpoints and `.keras` files carry the state.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer` instance or name (e.g.
@@ -994,65 +1048,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return _unscale(self, list(grads))
 
     def stateless_scale_loss(self, optimizer_variables, loss):
-        """`scale_loss` with the scale read from `optimizer_variables` (JAX).
-
-        In a jitted JAX step the optimizer's variables are values passed in:
-        the one line a stateless train step or a `jax.grad` loss function
-        adds, with the values it passes to `stateless_apply`.
-
-        Example:
-
-        ```python
-        def loss_fn(trainable, non_trainable, optimizer_variables, x, y):
-            y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x)
-            loss = keras.losses.mean_squared_error(y, y_pred).mean()
-            return optimizer.stateless_scale_loss(optimizer_variables, loss), loss
-        ```
-        """
-        if not self.enabled:
-            return loss
-        if not self.built:
+        """`scale_loss`, reading the scale from `optimizer_variables` (the
+        values of `self.variables` a stateless JAX step carries): the one
+        line of a custom JAX `train_step` or `jax.grad` loss (docs/jax.md)."""
+        if not (self.enabled and self.built):
             return self.scale_loss(loss)
-        mapping = list(zip(self.variables, optimizer_variables))
-        with keras.StatelessScope(state_mapping=mapping):
+        with keras.StatelessScope(state_mapping=list(zip(self.variables, optimizer_variables))):
             return self.scale_loss(loss)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        """`apply` as a pure function of values (Keras' JAX trainer calls it).
+        """`apply` as a pure function of values, as Keras' JAX trainer calls it.
 
-        Args:
-            optimizer_variables: Values of `self.variables`, in order.
-            grads: Gradients of `scale_loss(loss)` (or of
-                `stateless_scale_loss`), one per trainable variable.
-            trainable_variables: Values of the variables the optimizer was
-                built with, in order.
-
-        Returns:
-            `(new_trainable_values, new_optimizer_values)`: on a skipped step
-            the trainable values and the inner optimizer's are the ones given;
-            the scale and counters always move.
-
-        Raises:
-            ValueError: if the optimizer is not built.
+        Returns `(new_trainable_values, new_optimizer_values)`; a skipped step
+        gives the weights and the inner optimizer's values back as they were.
         """
-        if not self.built:
-            raise ValueError(
-                f"To call `stateless_apply`, {type(self).__name__} must be built: "
-                "call `optimizer.build(trainable_variables)` first."
-            )
-        if not self.enabled:
-            return _stateless_pass_through(self, optimizer_variables, grads,
-                                           trainable_variables)
-        record = self._kmp_record
-        scaled, divided, _ = record.take()
-        record.applied, record.loss, record.last_loss = True, None, None
-        if not (scaled or divided):
-            _warn_once(self, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
-        divide = not divided and (scaled or not record.in_model_step)
-        new_trainable, new_values, _ = _stateless_step(
-            self, optimizer_variables, grads, trainable_variables, divide=divide
-        )
-        return new_trainable, new_values
+        return _stateless_apply(self, optimizer_variables, grads, trainable_variables)
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars)
@@ -1085,14 +1095,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads, trainable_variables = _keras_internals.filter_empty_gradients(
             self, list(grads), trainable_variables
         )
-        record = self._kmp_record
-        scaled, divided, loss = record.take()
-        record.applied, record.last_loss = True, loss
         if not self.enabled:
+            self._kmp_record.take()
             self.inner_optimizer.apply(grads, trainable_variables)
             return ops.convert_to_tensor(True)
-        if not (scaled or divided):
-            _warn_once(self, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
+        record = self._kmp_record
+        divide, loss = _take_record(self)
         retries_left = record.retries_left
         if retries_left is not None and _accumulation_steps(self):
             raise ValueError(
@@ -1100,10 +1108,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "`gradient_accumulation_steps` (a retry would redo one micro-batch "
                 f"of a window). Received: gradient_accumulation_steps={_accumulation_steps(self)}"
             )
-        divide = not divided and (scaled or not record.in_model_step)
-        if not _ON_TENSORFLOW:
-            record.finite = _jax_apply(self, grads, trainable_variables, divide)
-            record.retry = None
+        if not _ON_TENSORFLOW:  # one pure step, then assigned (see `_stateless_step`)
+            record.finite, record.retry = _jax_apply(self, grads, trainable_variables, divide), None
             return record.finite
         record.finite, record.retry = _replicas.run_step(
             lambda replicas, *args: _step(self, replicas, *args, divide=divide,
@@ -1111,17 +1117,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             grads, trainable_variables, loss,
         )
         return record.finite
-
-    def _monitor_state(self):
-        """`(counters, nonfinite_gradients)` for `kmp.callbacks.LossScaleMonitor`:
-        int64 `[step, skipped_steps, forward_overflows, consecutive_skips,
-        consecutive_forward_overflows]` (`step` counts applied and skipped
-        steps), and the per-variable flags of the latest backward overflow."""
-        counters = self._counters.value
-        skipped, retries = _COUNTERS.index("skipped_steps"), _COUNTERS.index("retries")
-        step = ops.cast(self.iterations, _COUNTER_DTYPE) + counters[skipped]
-        monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:retries]])
-        return monitored, _snapshot(self._nonfinite_gradients.value)
 
     def get_config(self):
         config = {

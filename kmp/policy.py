@@ -722,6 +722,36 @@ def _unsettled_config(config):
     return {key: _unsettled_config(value) for key, value in config.items()}
 
 
+_PROBABILITY_OUTPUTS = ("softmax", "sigmoid")
+_PROBABILITY_OUTPUT_REASON = (
+    "a softmax/sigmoid model output on JAX: Keras' cross-entropy differentiates the "
+    "probabilities there (TensorFlow carries the logits), whose 16-bit gradient "
+    "overflows at the usual loss scales"
+)
+
+
+def _probability_output(layer, model):
+    """On JAX, whether `layer` makes a softmax or sigmoid output of `model`.
+
+    Keras' cross-entropies take the logits behind a softmax output where the
+    output tensor carries them (TensorFlow); a JAX array cannot, so the loss
+    differentiates `log(p)`, whose gradient `scale / p` overflows float16 at
+    the usual scales. Computed in float32, the probabilities' gradient
+    reaches the 16-bit layers below as `scale * (p - y)`.
+    """
+    if keras.backend.backend() != "jax" or not isinstance(model, _keras_internals.Functional):
+        return False
+    activation = getattr(layer, "activation", None)
+    name = getattr(activation, "__name__", None)
+    if name not in _PROBABILITY_OUTPUTS:
+        return False
+    try:
+        produced = {id(tensor) for tensor in keras.tree.flatten(layer.output)}
+    except (AttributeError, ValueError):
+        return False
+    return any(id(output) in produced for output in keras.tree.flatten(model.outputs))
+
+
 def _float32_plan(model, rules=None):
     """Which layers of `model` compute in float32, and why.
 
@@ -759,7 +789,11 @@ def _float32_plan(model, rules=None):
                 visit(layer, _layer_label(layer))
                 continue
             entry = all_rules.match(layer)
-            if entry is not None and sixteen_bit:
+            if entry is None and sixteen_bit and parent is model and _probability_output(layer, model):
+                hands_on = keras.backend.standardize_dtype(layer.compute_dtype)
+                plan.append((layer, "island", _PROBABILITY_OUTPUT_REASON, hands_on))
+                visit(layer, _layer_label(layer))
+            elif entry is not None and sixteen_bit:
                 source = (
                     "kmp's float32 list"
                     if isinstance(layer, KEEP_FLOAT32_CLASSES)

@@ -552,3 +552,38 @@ def test_other_backends_get_a_clear_error_at_import(backend):
     assert result.returncode != 0
     assert "ImportError: kmp supports the TensorFlow and JAX backends of Keras" in result.stderr
     assert f"backend={backend!r}" in result.stderr
+
+
+def test_a_softmax_output_is_computed_in_float32_so_the_scale_need_not_back_off():
+    """Keras' cross-entropy differentiates the probabilities on JAX: computed
+    in float16 their gradient, scale / p, overflows at 2**15 (Keras' own
+    scaler skips and backs off); kmp computes the softmax output layer in
+    float32, and the layers below get `scale * (p - y)`."""
+    x, y = _data(rows=64, classes=3)
+
+    def build():
+        return keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16), keras.layers.LayerNormalization(),
+            keras.layers.Dense(3, activation="softmax"),
+        ])
+
+    keras.utils.set_random_seed(0)
+    kmp.set_policy("mixed_float16")
+    model = kmp.convert(build())
+    model.compile("adam", "sparse_categorical_crossentropy")
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert history.history["skipped_steps"] == [0]
+    assert history.history["loss_scale"] == [2.0**15]
+    assert model.layers[-1].compute_dtype == "float32"
+    assert model.layers[0].compute_dtype == "float16"
+    reasons = {row["layer"]: row["reason"] for row in kmp.summary(model, print_fn=lambda _: None)}
+    assert "softmax/sigmoid model output on JAX" in reasons[model.layers[-1].name]
+
+    keras.utils.set_random_seed(0)
+    plain = build()  # built under mixed_float16
+    plain.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+                  "sparse_categorical_crossentropy")
+    plain.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    # Keras' scaler skipped both steps kmp applied.
+    assert int(plain.optimizer.iterations) == 0
+    assert float(plain.optimizer.dynamic_scale) == 2.0**13

@@ -1,20 +1,26 @@
 """Builds each configuration, times it, measures its memory and counts ops.
 
 Timing calls the model's own `train_function` (the compiled step `fit` runs)
-on one in-memory batch repeated by `tf.data`, so neither an input pipeline
-nor callbacks are measured. Every configuration of a workload is built and
-warmed up first; then the timed repeats are interleaved (A B C ... A B C ...)
-so that drift in machine speed hits every configuration alike.
+on one in-memory batch, so neither an input pipeline nor callbacks are
+measured: on TensorFlow the batch is repeated by `tf.data` (`_Runner`); on
+JAX it sits on the device and the step's state is threaded from one call to
+the next, as `fit` does (`_JaxRunner`). Every configuration of a workload is
+built and warmed up first; then the timed repeats are interleaved
+(A B C ... A B C ...) so that drift in machine speed hits every
+configuration alike.
 
 Memory: on a GPU, TensorFlow's allocator counts bytes in use and their peak,
 and the peak can be reset, so each configuration is measured in the timing
 process (`gpu_memory_steps`); on a CPU only the process's peak RSS is known,
 which cannot be split between models sharing a process, so each
 configuration runs again in a child process of its own (`measure_memory`).
+GPU memory is read on TensorFlow only. Op counts (`op_counts`) count the ops
+of a traced TensorFlow graph, so they too are TensorFlow-only.
 """
 
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -136,6 +142,64 @@ class _Runner:
         return float(logs["loss"])
 
 
+class _JaxRunner:
+    """Runs training steps of one compiled model on one repeated batch, on JAX.
+
+    Keras' JAX `train_function(state, iterator)` is a pure function of the
+    model's state: `(trainable, non_trainable, optimizer, metrics)` values in,
+    new values out. The runner keeps what each call returns for the next one,
+    as `fit` does between its steps; the jitted step donates the state it is
+    given, so the old values must not be used again. (The model's variables
+    are not updated, which a benchmark never reads.)
+    """
+
+    def __init__(self, model, x, y):
+        import jax
+
+        self.model = model
+        model.make_train_function()
+        # `fit` builds the optimizer before its first step; its variables
+        # must exist before the state is read (a traced step cannot make them).
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        # On the device once, as TensorFlow's runner repeats one batch.
+        self.iterator = itertools.repeat((jax.device_put(x), jax.device_put(y)))
+        self.state = (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            [v.value for v in model.optimizer.variables],
+            [v.value for v in model.metrics_variables],
+        )
+
+    def run(self, steps):
+        logs = None
+        for _ in range(steps):
+            logs, self.state = self.model.train_function(self.state, self.iterator)
+        # Reading a value waits for the last step to finish (JAX dispatches
+        # steps asynchronously).
+        return float(logs["loss"])
+
+
+def make_runner(model, x, y):
+    """The runner for Keras' backend: `_Runner` on TensorFlow, `_JaxRunner` on JAX.
+
+    Both have `run(steps)`, which runs `steps` training steps on the batch
+    `(x, y)` and returns the loss of the last one after waiting for it.
+    """
+    if keras.backend.backend() == "jax":
+        return _JaxRunner(model, x, y)
+    return _Runner(model, x, y)
+
+
+def has_gpu():
+    """Whether Keras' backend sees a GPU (on JAX, without initializing TensorFlow's)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return any(device.platform == "gpu" for device in jax.devices())
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
 def _peak_rss_mb():
     with open("/proc/self/status") as status:
         for line in status:
@@ -157,7 +221,8 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
     Args:
         gpu_memory_steps: Int. With a GPU, after timing, runs each
             configuration this many more steps with the allocator's peak reset
-            and adds `"memory"` to its row (0: not measured). Defaults to 0.
+            and adds `"memory"` to its row (0: not measured). TensorFlow's
+            allocator counts the bytes: on JAX it must be 0. Defaults to 0.
 
     Returns:
         Dict `label -> {"samples_per_s": median, "repeats": [...], "steps": n,
@@ -167,7 +232,16 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
         configuration left allocated (weights, optimizer state), the peak
         above everything allocated during its steps (activations, gradients,
         the optimizer's temporaries), and the allocator's peak in all.
+
+    Raises:
+        ValueError: if `gpu_memory_steps` is not 0 on Keras' JAX backend.
     """
+    if gpu_memory_steps and keras.backend.backend() != "tensorflow":
+        raise ValueError(
+            "`gpu_memory_steps` reads TensorFlow's GPU allocator: it must be 0 on "
+            f"KERAS_BACKEND={keras.backend.backend()!r}. Received: "
+            f"gpu_memory_steps={gpu_memory_steps}"
+        )
     rng = np.random.default_rng(0)
     x, y = workload.data(workload.sizes, rng)
     batch = len(y)
@@ -177,7 +251,7 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
         if gpu_memory_steps:
             before, _ = _gpu_bytes()
         model, resolved = build_model(workload, config, optimizer)
-        runner = _Runner(model, x, y)
+        runner = make_runner(model, x, y)
         runner.run(warmup_steps)
         if gpu_memory_steps:
             resident[config.label] = _gpu_bytes()[0] - before
@@ -250,26 +324,32 @@ def memory_child(workload_name, mode, config_name, jit_compile, steps, optimizer
     x, y = workload.data(workload.sizes, np.random.default_rng(0))
     baseline = _peak_rss_mb()
     model, _ = build_model(workload, config, optimizer)
-    _Runner(model, x, y).run(steps)
+    make_runner(model, x, y).run(steps)
     print(json.dumps({"baseline_mb": baseline, "peak_mb": _peak_rss_mb()}))
 
 
 def measure_memory(workload, mode, config, *, steps, optimizer="adam"):
     """Peak RSS of a fresh process that builds and trains one configuration.
 
+    The child runs on this process's Keras backend.
+
     Returns:
-        Dict with `peak_mb` (VmHWM of the child, which includes TensorFlow
-        itself) and `baseline_mb` (VmHWM after importing TensorFlow, Keras and
+        Dict with `peak_mb` (VmHWM of the child, which includes the backend
+        itself) and `baseline_mb` (VmHWM after importing the backend, Keras and
         kmp and making the data, before the model was built), or `None` if the
         child failed.
     """
+    backend = keras.backend.backend()
     command = [
-        sys.executable, "-m", "benchmarks.run", "--memory-child",
+        sys.executable, "-m", "benchmarks.run", "--backend", backend, "--memory-child",
         workload.name, mode, config.name, "1" if config.jit_compile else "0", str(steps),
         optimizer,
     ]
     # A CPU measurement: the child must not take a GPU.
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    environment = dict(
+        os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+        JAX_PLATFORMS="cpu",
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
         command, capture_output=True, text=True, cwd=root, env=environment

@@ -1,12 +1,13 @@
 """Turns benchmark results into a Markdown report and a PNG chart."""
 
 import datetime
+import importlib.metadata
 import os
 import platform
 import subprocess
+import sys
 
 import keras
-import tensorflow as tf
 
 from benchmarks import harness
 
@@ -14,7 +15,11 @@ _FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16
 
 
 def describe_machine():
-    """Returns a dict describing this machine and the software versions."""
+    """Returns a dict describing this machine and the software versions.
+
+    The GPUs are those Keras' backend sees: on JAX, JAX's devices (asking
+    TensorFlow would initialize its GPU, and take the GPU's memory).
+    """
     model_name, flags = platform.processor() or "unknown", set()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -31,7 +36,8 @@ def describe_machine():
             memory_gib = int(meminfo.readline().split()[1]) / 2**20
     except (OSError, ValueError, IndexError):
         pass
-    gpus = [_describe_gpu(gpu) for gpu in tf.config.list_physical_devices("GPU")]
+    backend = keras.backend.backend()
+    gpus = _jax_gpus() if backend == "jax" else _tensorflow_gpus()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": model_name,
@@ -42,24 +48,57 @@ def describe_machine():
         "gpu_names": gpus,
         "device": gpus[0] if gpus else "CPU",
         "python": platform.python_version(),
-        "tensorflow": tf.__version__,
+        "backend": backend,
+        "tensorflow": _version("tensorflow"),
+        "jax": _version("jax"),
         "keras": keras.__version__,
         "kmp": _kmp_version(),
         "load_average_start": _load_average(),
     }
 
 
-def _describe_gpu(gpu):
-    """"NAME (compute capability X.Y)" from what TensorFlow reports."""
+def _version(package):
+    """The version of `package`: the imported module's, else the installed
+    distribution's (without importing it), else None."""
+    module = sys.modules.get(package)
+    if getattr(module, "__version__", None):
+        return module.__version__
     try:
-        details = tf.config.experimental.get_device_details(gpu)
-    except Exception:  # noqa: BLE001 - a description must not stop a run
-        details = {}
-    name = details.get("device_name", gpu.name)
-    capability = details.get("compute_capability")
-    if capability:
-        return f"{name} (compute capability {capability[0]}.{capability[1]})"
-    return name
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _tensorflow_gpus():
+    """"NAME (compute capability X.Y)" for each GPU, from what TensorFlow reports."""
+    import tensorflow as tf
+
+    gpus = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            details = tf.config.experimental.get_device_details(gpu)
+        except Exception:  # noqa: BLE001 - a description must not stop a run
+            details = {}
+        name = details.get("device_name", gpu.name)
+        capability = details.get("compute_capability")
+        if capability:
+            name = f"{name} (compute capability {capability[0]}.{capability[1]})"
+        gpus.append(name)
+    return gpus
+
+
+def _jax_gpus():
+    """"NAME (compute capability X.Y)" for each GPU, from what JAX reports."""
+    import jax
+
+    gpus = []
+    for device in jax.devices():
+        if device.platform != "gpu":
+            continue
+        name = getattr(device, "device_kind", str(device))
+        capability = getattr(device, "compute_capability", None)  # "9.0" on CUDA
+        gpus.append(f"{name} (compute capability {capability})" if capability else name)
+    return gpus
 
 
 def _kmp_version():
@@ -96,10 +135,12 @@ def machine_line(machine):
     memory = f", {machine['memory_gib']:.0f} GiB" if machine["memory_gib"] else ""
     device = machine.get("device", "CPU")
     gpus = ", ".join(machine.get("gpu_names") or []) or "none"
+    jax = f"JAX {machine['jax']}, " if machine.get("jax") else ""
     return (
-        f"{machine['date']}; device: {device}; {machine['cpu']}, {machine['cores']} cores{memory}, "
+        f"{machine['date']}; backend: {machine.get('backend', 'tensorflow')}; device: {device}; "
+        f"{machine['cpu']}, {machine['cores']} cores{memory}, "
         f"GPUs: {gpus}; CPU flags: {flags}; Python {machine['python']}, "
-        f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}, "
+        f"TensorFlow {machine['tensorflow']}, {jax}Keras {machine['keras']}, "
         f"kmp {machine.get('kmp', 'unknown')}; 1-minute load "
         f"average {machine['load_average_start']} at the start, "
         f"{machine.get('load_average_end', 'n/a')} at the end (other processes on the "
@@ -268,11 +309,29 @@ def op_count_table(counts):
 
 _OPTIMIZER_NAMES = {"adam": "`Adam(1e-3)`", "sgd": "`SGD(1e-3, momentum=0.9)`"}
 
+_BACKEND_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX"}
+
+_BACKEND_NOTES = {
+    "tensorflow": "Backend: Keras' TensorFlow backend (`KERAS_BACKEND=tensorflow`); "
+                  "each step is the model's `train_function(iterator)`.",
+    "jax": "Backend: Keras' JAX backend (`KERAS_BACKEND=jax`); each step is the model's "
+           "`train_function(state, iterator)`, its state carried from one step to the next "
+           "as `fit` does. Keras jit-compiles every JAX train step (with "
+           "`jit_compile=False` it would run op by op), so only `jit_compile=True` runs.",
+}
+
+OP_COUNTS_TENSORFLOW_ONLY = (
+    "Op counts are TensorFlow-only: they count the ops of the traced TensorFlow graph "
+    "(run `--backend tensorflow`); not counted on JAX."
+)
+
 
 def markdown(results, workloads, machine, *, command, mode, repeats, counts, memory_note,
              chart_note, optimizer="adam"):
+    backend = machine.get("backend", "tensorflow")
     sections = [
-        f"# kmp benchmarks ({mode})",
+        f"# kmp benchmarks ({mode}, {_BACKEND_NAMES.get(backend, backend)} backend)",
+        _BACKEND_NOTES.get(backend, f"Backend: `KERAS_BACKEND={backend}`."),
         f"Command: `{command}`",
         f"Machine: {machine_line(machine)}",
         f"Optimizer: {_OPTIMIZER_NAMES.get(optimizer, optimizer)}. "
@@ -290,6 +349,8 @@ def markdown(results, workloads, machine, *, command, mode, repeats, counts, mem
     ]
     if counts is not None:
         sections += ["## Ops in the traced graph", op_count_table(counts)]
+    elif backend != "tensorflow":
+        sections += ["## Ops in the traced graph", OP_COUNTS_TENSORFLOW_ONLY]
     sections += [
         "## Targets",
         "\n".join(f"- {_check(met)}: {target} ({measured})" for target, measured, met in targets(results)),

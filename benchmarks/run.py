@@ -6,12 +6,19 @@ Usage (from the repository root):
     python -m benchmarks.run --quick    # smaller models, jit off only: ~2 minutes
     python -m benchmarks.run --jit on   # only jit_compile=True (off, on, both)
     python -m benchmarks.run --out DIR  # results folder (default: results/)
+    python -m benchmarks.run --backend jax   # on Keras' JAX backend (default: tensorflow)
 
-On a machine with a GPU (`tf.config.list_physical_devices("GPU")`), the full
+`--backend` picks Keras' backend (it sets `KERAS_BACKEND` before Keras is
+imported; the environment's `KERAS_BACKEND` does not). On JAX, Keras
+jit-compiles every train step, so only the `jit_compile=True`
+configurations run there; op counts (a TensorFlow graph's) and GPU memory
+(TensorFlow's allocator) are TensorFlow-only.
+
+On a machine with a GPU (TensorFlow's or JAX's, per backend), the full
 run uses GPU-sized workloads (a 4x8192 MLP at batch 4096, ResNet50 at
 224x224 and batch 128, a BERT-base-sized encoder at sequence 128 and batch
-64), SGD with momentum, `jit_compile` on only, and measures peak GPU memory
-per configuration in the timing process. `--quick` and `--smoke` keep their
+64), SGD with momentum, `jit_compile` on only, and (on TensorFlow) measures
+peak GPU memory per configuration in the timing process. `--quick` and `--smoke` keep their
 small models there.
 
 What it does, per workload (on a CPU: MLP, convnet, Transformer encoder,
@@ -20,17 +27,18 @@ many small variables):
 1. builds every configuration in one process: float32; Keras' built-in
    mixed_float16 (plain `keras.Model`, Keras' `LossScaleOptimizer`) and
    mixed_bfloat16; kmp mixed_float16, the same with `loss_scale=None`,
-   mixed_bfloat16 and auto; each with `jit_compile` off and on;
+   mixed_bfloat16 and auto; each with `jit_compile` off and on (on only, on JAX);
 2. warms each up, then times them interleaved (A B C ... A B C ...), each
    repeat a chunk of `train_function` calls on one in-memory batch, and keeps
    the median samples/s;
 3. (full run, or `--memory`) measures memory: on a CPU, the peak resident
    memory of each configuration in a child process of its own, since peak RSS
-   cannot be split between configurations sharing a process; on a GPU, the
-   allocator's peak during a few more steps of each configuration, reset
-   before each, and what the configuration keeps allocated;
-4. counts the ops of the traced train step and of `optimizer.apply` for kmp
-   and Keras on the many-variables model.
+   cannot be split between configurations sharing a process; on a GPU (on
+   TensorFlow only), the allocator's peak during a few more steps of each
+   configuration, reset before each, and what the configuration keeps
+   allocated;
+4. (on TensorFlow) counts the ops of the traced train step and of
+   `optimizer.apply` for kmp and Keras on the many-variables model.
 
 It writes `report.md` (tables, targets met or missed), `ratios.png` (needs
 matplotlib: `pip install -e ".[plot]"`) and `results.json` to the results
@@ -45,7 +53,47 @@ import os
 import sys
 import time
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+BACKENDS = ("tensorflow", "jax")
+_PROG = "python -m benchmarks.run"
+
+
+def _backend_arguments(argv):
+    """Splits `--backend NAME` off `argv`: `(backend, the other arguments)`.
+
+    The backend defaults to `"tensorflow"`; an unknown name exits with
+    argparse's message.
+    """
+    parser = argparse.ArgumentParser(prog=_PROG, add_help=False)
+    parser.add_argument("--backend", choices=BACKENDS, default="tensorflow")
+    known, rest = parser.parse_known_args(argv)
+    return known.backend, rest
+
+
+def _use_backend(backend):
+    """Makes Keras run on `backend`: sets `KERAS_BACKEND`, which Keras reads
+    once, when it is imported.
+
+    Raises:
+        SystemExit: if Keras is already imported with another backend.
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and keras.backend.backend() != backend:
+        raise SystemExit(
+            f"`--backend {backend}` cannot run in this process: Keras was already imported "
+            f"here with KERAS_BACKEND={keras.backend.backend()!r}, and Keras picks its "
+            f"backend once, when it is imported. Run `{_PROG} --backend {backend}` in a "
+            "new process."
+        )
+    named = os.environ.get("KERAS_BACKEND")
+    if named and named != backend:
+        print(f"KERAS_BACKEND={named} in the environment is overridden: this run uses "
+              f"--backend {backend}.", file=sys.stderr, flush=True)
+    os.environ["KERAS_BACKEND"] = backend
+
+
+# Before anything in this process imports Keras (nothing above does).
+if __name__ == "__main__":
+    _use_backend(_backend_arguments(sys.argv[1:])[0])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _MODES = {
@@ -61,9 +109,12 @@ _MODES = {
 
 def _parse_args(argv):
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.run",
+        prog=_PROG,
         description="Benchmark kmp against Keras' built-in mixed precision.",
     )
+    parser.add_argument("--backend", choices=BACKENDS, default="tensorflow",
+                        help="Keras backend to run on (default: tensorflow; sets KERAS_BACKEND, "
+                             "which must not already be in use with another backend)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="smaller models, fewer seconds per repeat: under 2 minutes")
     size.add_argument("--smoke", action="store_true", help="tiny models, one step per repeat (for tests)")
@@ -74,24 +125,28 @@ def _parse_args(argv):
                              "on a GPU)")
     parser.add_argument("--jit", choices=("off", "on", "both"), default=None,
                         help="jit_compile settings to run (default: both on a CPU, off with "
-                             "--quick; on with a GPU, both with --smoke)")
+                             "--quick; on with a GPU, both with --smoke; on JAX, on only)")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
                         help="adam, or sgd with momentum 0.9 (default: adam on a CPU, sgd on a GPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration (>= 5 recommended)")
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument("--memory", dest="memory", action="store_true", default=None,
                         help="measure peak memory per configuration: GPU allocator peak, or peak "
-                             "RSS in child processes on a CPU (default in the full run)")
+                             "RSS in child processes on a CPU (default in the full run; GPU "
+                             "memory on TensorFlow only)")
     memory.add_argument("--no-memory", dest="memory", action="store_false")
     parser.add_argument("--no-op-counts", dest="op_counts", action="store_false",
-                        help="skip counting graph ops on the many-variables model")
+                        help="skip counting graph ops on the many-variables model (TensorFlow "
+                             "only: never counted on JAX)")
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--memory-child"]:
-        return _memory_child(argv[1:])
+    backend, rest = _backend_arguments(argv)
+    _use_backend(backend)
+    if rest[:1] == ["--memory-child"]:
+        return _memory_child(rest[1:])
     args = _parse_args(argv)
     mode = "quick" if args.quick else "smoke" if args.smoke else "full"
     settings = dict(_MODES[mode])
@@ -99,42 +154,61 @@ def main(argv=None):
         if args.repeats < 1:
             raise SystemExit(f"`--repeats` must be >= 1. Received: --repeats={args.repeats}")
         settings["repeats"] = args.repeats
-    import tensorflow as tf
+    if backend == "jax" and args.jit not in (None, "on"):
+        raise SystemExit(
+            f"`--jit {args.jit}` is TensorFlow-only: Keras' JAX backend jit-compiles every "
+            "train step (with `jit_compile=False` it would run the step op by op), so "
+            "`--backend jax` runs `jit_compile=True` only. Leave `--jit` out, or pass "
+            f"`--jit on`. Received: --jit {args.jit}"
+        )
+    if backend == "tensorflow":
+        import tensorflow as tf
 
-    tf.get_logger().setLevel("ERROR")
-    gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        # Allocate as needed, so that the allocator's figures are the models'
-        # (and another process can share the GPU). Too late once devices are
-        # initialized, as when main() runs inside a process that used them.
-        try:
-            tf.config.experimental.set_memory_growth(gpu, True)
-        except RuntimeError:
-            pass
-    if gpus and mode == "full":
+        tf.get_logger().setLevel("ERROR")
+        for gpu in tf.config.list_physical_devices("GPU"):
+            # Allocate as needed, so that the allocator's figures are the models'
+            # (and another process can share the GPU). Too late once devices are
+            # initialized, as when main() runs inside a process that used them.
+            try:
+                tf.config.experimental.set_memory_growth(gpu, True)
+            except RuntimeError:
+                pass
+    from benchmarks import harness
+
+    gpu = harness.has_gpu()
+    if gpu and mode == "full":
         # XLA is what Keras uses on a GPU by default (jit_compile="auto").
         settings["jit"] = "on"
-    if gpus:
+    if gpu:
         # Measured in this process from the allocator's counters: cheap.
         settings["memory"] = True
     if args.memory is not None:
         settings["memory"] = args.memory
     if args.jit is not None:
         settings["jit"] = args.jit
-    settings["optimizer"] = args.optimizer or ("sgd" if gpus else "adam")
-    settings["device"] = "gpu" if gpus else "cpu"
-    from benchmarks import harness
+    if backend == "jax":
+        settings["jit"] = "on"
+        if gpu and settings["memory"]:
+            # TensorFlow's allocator counters are what measure GPU memory, and
+            # peak RSS of CPU children would not describe a GPU run.
+            if args.memory:
+                print("--memory: GPU memory is measured on TensorFlow only; not on JAX.",
+                      file=sys.stderr, flush=True)
+            settings["memory"] = False
+    settings["optimizer"] = args.optimizer or ("sgd" if gpu else "adam")
+    settings["device"] = "gpu" if gpu else "cpu"
+    settings["backend"] = backend
     from benchmarks import report
     from benchmarks import workloads as workloads_module
 
     default_names = (
-        workloads_module.GPU_WORKLOAD_NAMES if gpus and mode == "full"
+        workloads_module.GPU_WORKLOAD_NAMES if gpu and mode == "full"
         else workloads_module.WORKLOAD_NAMES
     )
     names = args.workloads.split(",") if args.workloads else list(default_names)
     try:
         workloads = [
-            workloads_module.get_workload(name.strip(), mode, gpu=bool(gpus)) for name in names
+            workloads_module.get_workload(name.strip(), mode, gpu=gpu) for name in names
         ]
     except ValueError as error:
         raise SystemExit(str(error)) from None
@@ -142,7 +216,7 @@ def main(argv=None):
     command = "python -m benchmarks.run " + " ".join(argv)
     started = time.perf_counter()
     machine = report.describe_machine()
-    print(f"kmp benchmarks ({mode}): {report.machine_line(machine)}", flush=True)
+    print(f"kmp benchmarks ({mode}, {backend}): {report.machine_line(machine)}", flush=True)
 
     configs = [
         config
@@ -159,7 +233,7 @@ def main(argv=None):
             chunk_seconds=settings["chunk_seconds"],
             warmup_steps=settings["warmup_steps"],
             optimizer=settings["optimizer"],
-            gpu_memory_steps=settings["memory_steps"] if gpus and settings["memory"] else 0,
+            gpu_memory_steps=settings["memory_steps"] if gpu and settings["memory"] else 0,
             log=lambda line: print(line, flush=True),
         )
         import keras
@@ -169,11 +243,12 @@ def main(argv=None):
 
     counts = None
     count_workload = next((w for w in workloads if w.name == "many_variables"), None)
-    if args.op_counts and count_workload is not None:
+    # Counts of a traced TensorFlow graph; the report says so on JAX.
+    if args.op_counts and count_workload is not None and backend == "tensorflow":
         print(f"[{time.perf_counter() - started:6.0f}s] counting ops", flush=True)
         counts = harness.op_counts(count_workload)
 
-    if settings["memory"] and gpus:
+    if settings["memory"] and gpu:
         memory_note = (
             "GPU memory, in MiB, from TensorFlow's allocator on GPU:0 in the timing process "
             "(memory growth on): \"above resident\" is the allocator's peak during "
@@ -199,11 +274,18 @@ def main(argv=None):
             )
             for (workload, config), peak in zip(jobs, peaks):
                 results[workload.name][config.label]["memory"] = peak
+        imported = "TensorFlow" if backend == "tensorflow" else "JAX, TensorFlow"
         memory_note = (
-            "Peak RSS is the VmHWM of a fresh child process that imports TensorFlow, "
-            f"builds one configuration and trains it for {settings['memory_steps']} steps; "
-            "the figure in brackets is the increase over the same process's peak just "
-            "before the model was built (TensorFlow, Keras, kmp and the data)."
+            f"Peak RSS is the VmHWM of a fresh child process on the {backend} backend that "
+            f"imports {imported}, Keras and kmp, builds one configuration and trains it for "
+            f"{settings['memory_steps']} steps; the figure in brackets is the increase over "
+            "the same process's peak just before the model was built (those imports and "
+            "the data)."
+        )
+    elif gpu and backend == "jax":
+        memory_note = (
+            "GPU memory not measured: on JAX this benchmark does not read GPU memory "
+            "(TensorFlow's allocator counters measure it, with `--backend tensorflow`)."
         )
     else:
         memory_note = (
@@ -236,6 +318,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "results.json"), "w") as output:
         json.dump(
             {
+                "backend": backend,
                 "machine": machine,
                 "mode": mode,
                 "settings": settings,

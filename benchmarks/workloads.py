@@ -66,13 +66,34 @@ def _convnet_data(s, rng):
     return x, y
 
 
+def _fused_attention_runs_float16():
+    """Whether Keras' fused attention (`ops.dot_product_attention`) runs in float16 here.
+
+    Not on JAX's CPU: XLA's CPU `dot_general` has no float16 kernel that
+    accumulates in float32, which JAX's attention asks for, so Keras' own
+    `MultiHeadAttention` fails under mixed_float16 there ("The precision
+    'F16_F16_F32' is not supported by dot_general on CPU").
+    """
+    if keras.backend.backend() != "jax":
+        return True
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
 def _transformer(model_class, s):
+    # Where the fused attention cannot run float16, every configuration takes
+    # MultiHeadAttention's other path (einsum, softmax, einsum), which
+    # `return_attention_scores=True` selects; the scores go unused.
+    explicit = not _fused_attention_runs_float16()
     inputs = keras.Input((s["seq"],), dtype="int32")
     x = keras.layers.Embedding(s["vocab"], s["dim"])(inputs)
     for _ in range(s["blocks"]):
         attention = keras.layers.MultiHeadAttention(
             s["heads"], s["dim"] // s["heads"]
-        )(x, x)
+        )(x, x, return_attention_scores=explicit)
+        if explicit:
+            attention, _ = attention
         x = keras.layers.LayerNormalization()(x + attention)
         hidden = keras.layers.Dense(s["ff"], activation="gelu")(x)
         x = keras.layers.LayerNormalization()(x + keras.layers.Dense(s["dim"])(hidden))
@@ -201,4 +222,9 @@ def get_workload(name, mode, gpu=False):
     sizes = _GPU_SIZES[name] if gpu and mode == "full" else _SIZES[name][mode]
     if gpu and mode == "full" and name == "transformer":
         title = "BERT-base-sized Transformer encoder (attention + LayerNorm)"
+    if name == "transformer" and not _fused_attention_runs_float16():
+        title += (
+            "; attention without Keras' fused kernel (on JAX's CPU it has no float16 "
+            "version), through MultiHeadAttention's einsum path in every configuration"
+        )
     return Workload(name, title, build, data, sizes)

@@ -2,7 +2,9 @@
 
 `python -m benchmarks.run --smoke` (tiny models, one step per repeat) runs in
 a subprocess, since the suite sets up TensorFlow its own way; its report must
-show the numbers its results.json holds, and the ratios of them. How fast
+show the numbers its results.json holds, and the ratios of them. So does
+`--backend jax`, in a subprocess of its own (Keras picks its backend once per
+process; this one runs TensorFlow). How fast
 anything is is not tested; how the harness turns times into throughput and
 ratios is, on a fake clock, and the op counter on a graph of known ops.
 """
@@ -58,6 +60,7 @@ def _ratio_cell(value):
 def test_results_are_medians_of_the_measured_repeats(smoke_run):
     data = _smoke_results(smoke_run)
     assert data["mode"] == "smoke" and data["settings"]["repeats"] == 5
+    assert data["backend"] == data["machine"]["backend"] == "tensorflow"
     for workload in _WORKLOADS:
         rows = data["results"][workload]
         assert set(rows) == {config.label for config in harness.CONFIGS}
@@ -123,6 +126,114 @@ def test_report_shows_the_measured_numbers_and_ratios_of_them(smoke_run):
                 target = f"- {verdict}: mlp, jit {jit}: loss-scaling overhead <= 3% ({cells[-1]})"
                 assert target in report_text.splitlines()
         assert table[workload] == cells
+
+
+@pytest.fixture(scope="module")
+def jax_smoke_run(tmp_path_factory):
+    pytest.importorskip("jax", reason="`--backend jax` needs JAX (the `jax` extra)")
+    out = tmp_path_factory.mktemp("bench-jax")
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--backend", "jax",
+         "--out", str(out), "--workloads", "mlp"],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # JAX would otherwise reserve most of a GPU this process shares.
+        env=dict(child_env(gpu=True), KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+                 XLA_PYTHON_CLIENT_PREALLOCATE="false"),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def test_jax_run_reports_its_backend_and_the_medians_of_its_repeats(jax_smoke_run):
+    from benchmarks import report
+
+    data = json.loads((jax_smoke_run / "results.json").read_text())
+    assert data["backend"] == data["machine"]["backend"] == data["settings"]["backend"] == "jax"
+    assert data["machine"]["jax"]
+    # Keras jit-compiles every train step on JAX: the jit_compile=True rows only.
+    assert data["settings"]["jit"] == "on"
+    rows = data["results"]["mlp"]
+    assert set(rows) == {config.label for config in harness.CONFIGS if config.jit_compile}
+    for entry in rows.values():
+        assert entry["steps"] == 1 and len(entry["repeats"]) == 5
+        assert entry["samples_per_s"] > 0
+        assert entry["samples_per_s"] == statistics.median(entry["repeats"])
+    assert rows["keras mixed_float16 | jit=on"]["model_class"] == "Functional"
+    assert rows["kmp mixed_float16 | jit=on"]["model_class"] == "FunctionalModel"
+    assert rows["kmp mixed_float16 | jit=on"]["optimizer"] == "LossScaleOptimizer"
+    assert rows[f"{harness.NO_SCALE} | jit=on"]["optimizer"] == "Adam"
+    # Op counts count a TensorFlow graph: not made, and the report says why.
+    assert data["op_counts"] is None
+
+    report_text = (jax_smoke_run / "report.md").read_text()
+    title, _, backend_line = report_text.splitlines()[:3]
+    assert title == "# kmp benchmarks (smoke, JAX backend)"
+    assert backend_line.startswith("Backend: Keras' JAX backend (`KERAS_BACKEND=jax`)")
+    assert report.OP_COUNTS_TENSORFLOW_ONLY in report_text
+    # The same tables as on TensorFlow, of these numbers.
+    cells = {(row[0], row[1], row[2]): row[3:] for row in _table_rows(report_text, "## Throughput")}
+    assert set(cells) == {("mlp", config.name, "on") for config in harness.CONFIGS if config.jit_compile}
+    for config in harness.CONFIGS:
+        if config.jit_compile:
+            entry = rows[config.label]
+            assert cells[("mlp", config.name, "on")][:4] == [
+                entry["policy"], f"{entry['samples_per_s']:,.0f}",
+                _ratio_cell(entry["vs_keras"]), _ratio_cell(entry["vs_float32"]),
+            ]
+    overhead = (rows[f"{harness.NO_SCALE} | jit=on"]["samples_per_s"]
+                / rows["kmp mixed_float16 | jit=on"]["samples_per_s"] - 1)
+    assert _table_rows(report_text, "## Loss-scaling overhead") == [
+        ["mlp", "not run", f"{overhead * 100:+.1f}%"]
+    ]
+
+
+def test_jax_backend_in_a_process_running_keras_on_tensorflow_exits(tmp_path):
+    import keras
+
+    from benchmarks import run
+
+    assert keras.backend.backend() == "tensorflow"
+    with pytest.raises(SystemExit, match=r"`--backend jax` cannot run in this process: Keras "
+                       r"was already imported here with KERAS_BACKEND='tensorflow'"):
+        run.main(["--smoke", "--backend", "jax", "--workloads", "mlp",
+                  "--out", str(tmp_path / "out")])
+    assert os.environ["KERAS_BACKEND"] == "tensorflow"
+    assert not (tmp_path / "out").exists()
+
+
+def test_jit_off_is_refused_on_jax_before_keras_is_imported():
+    # Refused before anything imports Keras, so it costs no JAX start.
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--backend", "jax", "--jit", "off"],
+        cwd=_ROOT, capture_output=True, text=True, timeout=60,
+        env=dict(child_env(), KERAS_BACKEND="jax"),
+    )
+    assert result.returncode == 1
+    assert "`--jit off` is TensorFlow-only: Keras' JAX backend jit-compiles every train step" in (
+        result.stderr
+    )
+
+
+def test_memory_children_run_on_the_backend_of_the_run(monkeypatch):
+    from benchmarks import workloads
+
+    seen = {}
+
+    def run(command, **kwargs):
+        seen.update(command=command, env=kwargs["env"])
+        return types.SimpleNamespace(returncode=0, stdout='{"baseline_mb": 1, "peak_mb": 2}\n')
+
+    monkeypatch.setattr(harness, "subprocess", types.SimpleNamespace(run=run))
+    peak = harness.measure_memory(
+        workloads.get_workload("mlp", "smoke"), "smoke", harness.find_config("float32", True),
+        steps=1,
+    )
+    assert peak == {"baseline_mb": 1, "peak_mb": 2, "kind": "rss"}
+    assert seen["command"][2:6] == ["benchmarks.run", "--backend", "tensorflow", "--memory-child"]
+    assert seen["env"]["KERAS_BACKEND"] == "tensorflow"
 
 
 def test_report_op_counts_are_the_counted_ones(smoke_run):

@@ -19,8 +19,18 @@ if BACKEND == "jax":
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     ).strip()
 
-# The files the JAX pass runs; the TensorFlow pass runs every other file.
-JAX_TESTS = ("test_jax.py",)
+# The files the JAX pass runs: kmp on JAX, and the files whose tests hold on
+# every backend (the others use TensorFlow itself: tapes, tf.function,
+# tf.distribute, TensorFlow's error types and rounding). The TensorFlow pass
+# runs every file but test_jax.py.
+JAX_TESTS = (
+    "test_jax.py",
+    "test_policy.py",
+    "test_convert.py",
+    "test_built_precision.py",
+    "test_format.py",
+    "test_ledger.py",
+)
 collect_ignore = (
     [name for name in os.listdir(os.path.dirname(__file__))
      if name.startswith("test_") and name.endswith(".py") and name not in JAX_TESTS]

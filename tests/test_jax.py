@@ -58,14 +58,31 @@ def test_set_policy_sets_keras_global_policy_on_jax(name, compute):
     assert keras.layers.Dense(2).dtype_policy.compute_dtype == compute
 
 
-def test_auto_asks_jax_for_gpus_and_follows_the_rule():
+def test_auto_asks_jax_for_gpus_and_picks_float32_on_a_cpu():
     gpus = policy_module._gpus()
     assert [d.platform for d in jax.devices()].count("gpu") == len(gpus)
-    expected, _ = policy_module._choose_auto_policy(
-        policy_module._gpu_compute_capabilities(), policy_module._cpu_flags()
-    )
-    assert kmp.set_policy("auto").name == expected
+    policy = kmp.set_policy("auto")
+    if gpus:
+        expected, _ = policy_module._choose_auto_policy(
+            policy_module._gpu_compute_capabilities(), policy_module._cpu_flags()
+        )
+        assert policy.name == expected
+    else:
+        # XLA's CPU backend emulates bfloat16, whatever the CPU's flags.
+        assert policy.name == "float32"
+        assert "XLA" in policy.reason
     assert kmp.get_policy().reason.startswith("auto: ")
+
+
+def test_auto_on_a_jax_gpu_follows_the_compute_capability(monkeypatch):
+    monkeypatch.setattr(policy_module, "_gpus", lambda: [
+        ("gpu:0", {"device_name": "NVIDIA H100", "compute_capability": (9, 0)})
+    ])
+    assert kmp.set_policy("auto").name == "mixed_bfloat16"
+    monkeypatch.setattr(policy_module, "_gpus", lambda: [
+        ("gpu:0", {"device_name": "Tesla V100", "compute_capability": (7, 0)})
+    ])
+    assert kmp.set_policy("auto").name == "mixed_float16"
 
 
 # -- kmp.Model: fit, evaluate, predict ------------------------------------------

@@ -323,9 +323,14 @@ def test_layers_keras_keeps_accurate_are_left_as_keras_made_them(make_layer):
 def test_16_bit_softmax_sums_in_float32_so_kmp_leaves_it_alone(dtype, jit_compile):
     # Why Softmax is not on kmp's float32 list: 8192 equal logits sum to
     # 2048 in float16 arithmetic (2048 + 1 rounds to 2048) and each output
-    # would be 1/2048; TensorFlow (kernels and XLA) accumulates in float32.
+    # would be 1/2048; TensorFlow (kernels and XLA) and JAX accumulate in float32.
     softmax = keras.layers.Softmax(dtype=f"mixed_{dtype}")
-    call = tf.function(softmax, jit_compile=jit_compile)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        call = jax.jit(softmax) if jit_compile else softmax
+    else:
+        call = tf.function(softmax, jit_compile=jit_compile)
     outputs = keras.ops.convert_to_numpy(call(np.zeros((2, 8192), "float32")))
     assert keras.backend.standardize_dtype(outputs.dtype) == dtype
     np.testing.assert_array_equal(outputs.astype("float64") * 8192, 1.0)

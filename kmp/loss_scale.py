@@ -712,15 +712,14 @@ def _stateless_step(optimizer, optimizer_variables, grads, trainable_variables, 
     flags = _gradients.finite_flags(grads)
     finite = _gradients.all_true(flags)
     loss_finite = ops.convert_to_tensor(True) if loss is None else ops.all(ops.isfinite(loss))
-    if divide:
-        grads = _stateless_divide(optimizer, grads, built, scale)
-
     inner_ids = {id(v) for v in inner.variables}
     inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
 
     def apply():
-        # Non-finite gradients never reach the inner optimizer's arithmetic.
-        return inner.stateless_apply(inner_values, grads, list(trainable_variables))
+        # Unscaled in the branch that applies (as in `_step`): XLA fuses the
+        # division into the update. Non-finite gradients never get here.
+        unscaled = _stateless_divide(optimizer, grads, built, scale) if divide else grads
+        return inner.stateless_apply(inner_values, unscaled, list(trainable_variables))
 
     def skip():
         return list(trainable_variables), inner_values

@@ -77,15 +77,14 @@ def train_step(model, state, data, keras_train_step):
     kept = [ops.where(finite, new, old) for new, old in zip(new_metrics, metrics_values)]
     with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, kept))):
         kept_logs = model.get_metrics_result()
+        steps_counted = _keras_internals.loss_tracker(model).count.value
     logs = {
         key: ops.where(finite, value, kept_logs[key]) if key in kept_logs else value
         for key, value in logs.items()
     }
     if "loss" in logs:
         # No step applied yet this epoch: the loss of the skipped one.
-        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, kept))):
-            count = _keras_internals.loss_tracker(model).count.value
-        logs["loss"] = ops.where(count > 0, logs["loss"], ops.cast(unscaled_loss, "float32"))
+        logs["loss"] = ops.where(steps_counted > 0, logs["loss"], ops.cast(unscaled_loss, "float32"))
     return logs, (trainable, non_trainable, optimizer_values, kept)
 
 

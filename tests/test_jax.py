@@ -108,6 +108,23 @@ def test_fit_evaluate_predict_in_float16_log_the_scaler_and_return_float32():
     assert np.isfinite(loss) and 0 <= accuracy <= 1
 
 
+def test_the_progress_bar_shows_the_scale_as_an_integer_and_the_skips(capsys):
+    kmp.set_policy("mixed_float16")
+    model = _mlp()
+    model.compile(kmp.LossScaleOptimizer("sgd", initial_scale=2.0**24),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(rows=32)
+    x[0] = 3e4  # overflows until the scale is low enough
+    model.fit(x, y, batch_size=32, epochs=2, verbose=2)
+    out = capsys.readouterr().out
+    skipped = int(model.optimizer.skipped_steps)
+    scale = int(float(model.optimizer.loss_scale))
+    assert skipped >= 1
+    assert f"loss_scale: {scale} - skipped_steps: {skipped}" in out
+    # And the line fit ends with, since no monitor is attached.
+    assert f"{skipped} of 2 training steps were skipped" in out
+
+
 def test_a_step_that_overflows_changes_no_weight_slot_or_iteration_and_is_counted():
     kmp.set_policy("mixed_float16")
     model = _mlp()

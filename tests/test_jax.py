@@ -44,6 +44,18 @@ def _values(variables):
     return [np.asarray(v.value if hasattr(v, "value") else v) for v in variables]
 
 
+def _overflowing_at_first():
+    """A float16 model at scale 2**24 and 32 rows, one of which overflows
+    its gradients until the scale has backed off far enough."""
+    kmp.set_policy("mixed_float16")
+    model = _mlp()
+    model.compile(kmp.LossScaleOptimizer("sgd", initial_scale=2.0**24),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(rows=32)
+    x[0] = 3e4
+    return model, x, y
+
+
 # -- the policy ---------------------------------------------------------------
 
 
@@ -109,12 +121,7 @@ def test_fit_evaluate_predict_in_float16_log_the_scaler_and_return_float32():
 
 
 def test_the_progress_bar_shows_the_scale_as_an_integer_and_the_skips(capsys):
-    kmp.set_policy("mixed_float16")
-    model = _mlp()
-    model.compile(kmp.LossScaleOptimizer("sgd", initial_scale=2.0**24),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = _data(rows=32)
-    x[0] = 3e4  # overflows until the scale is low enough
+    model, x, y = _overflowing_at_first()
     model.fit(x, y, batch_size=32, epochs=2, verbose=2)
     out = capsys.readouterr().out
     skipped = int(model.optimizer.skipped_steps)
@@ -414,12 +421,7 @@ def test_eager_apply_skips_and_counts_like_the_traced_step():
 
 
 def test_loss_scale_and_skipped_steps_reach_csv_tensorboard_and_the_monitor(tmp_path):
-    kmp.set_policy("mixed_float16")
-    model = _mlp()
-    model.compile(kmp.LossScaleOptimizer("sgd", initial_scale=2.0**24),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = _data(rows=32)
-    x[0] = 3e4  # the first batch overflows until the scale is low enough
+    model, x, y = _overflowing_at_first()
     monitor = kmp.callbacks.LossScaleMonitor(verbose=0, csv_path=str(tmp_path / "steps.csv"),
                                              plot_path=str(tmp_path / "scale.png"))
     callbacks = [monitor, keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),

@@ -159,6 +159,28 @@ def test_a_step_that_overflows_changes_no_weight_slot_or_iteration_and_is_counte
     assert history.history["accuracy"] == [0.0]
 
 
+def test_steps_per_execution_and_eager_steps_count_as_the_jitted_step():
+    def run(**compile_kwargs):
+        keras.utils.set_random_seed(0)
+        kmp.set_policy("mixed_float16")
+        model = _mlp()
+        model.compile(kmp.LossScaleOptimizer("sgd", initial_scale=2.0**24),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), **compile_kwargs)
+        x, y = _data(rows=64)
+        x[0] = 3e4
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return (history.history["skipped_steps"], history.history["loss_scale"],
+                int(model.optimizer.iterations), _values(model.trainable_variables))
+
+    reference = run()
+    assert reference[0][-1] >= 1
+    for kwargs in (dict(steps_per_execution=2), dict(run_eagerly=True)):
+        other = run(**kwargs)
+        assert other[:3] == reference[:3], kwargs
+        for ours, theirs in zip(other[3], reference[3]):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_overflow_retries_other_than_auto_or_0_are_a_clear_error_on_jax():
     model = _mlp()
     with pytest.raises(ValueError, match=r"JAX backend.*overflow_retries='auto' or 0.*Received: overflow_retries=2"):

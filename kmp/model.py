@@ -170,6 +170,8 @@ class Model(_keras_internals.ModelBase):
     - each training step scales the loss, unscales and checks the gradients,
       skips non-finite steps, and adds `loss_scale` and `skipped_steps` to
       the logs (so they show in the progress bar and in `History`);
+    - on Keras' JAX backend the same holds, through `stateless_call` and a
+      stateless train step (see docs/jax.md for what differs);
     - with one replica and one step per call, `fit` and `evaluate` run each
       step without Keras' `tf.experimental.Optional` around its logs, and
       the optimizer counts only steps that had a batch (see
@@ -254,17 +256,19 @@ class Model(_keras_internals.ModelBase):
                 those hold, the scale finds its level on the first batch
                 (redone until its gradients are finite or the scale reaches
                 `min_scale`, so no batch is lost while the scale settles),
-                and every later batch gets one retry; elsewhere no retries.
-                Recompiling keeps the scaler's scale and counters (see
-                `optimizer`).
+                and every later batch gets one retry; elsewhere, and on
+                Keras' JAX backend, no retries. Recompiling keeps the
+                scaler's scale and counters (see `optimizer`).
             **kwargs: The other arguments of `keras.Model.compile`.
                 `auto_scale_loss=False` means `loss_scale=None`.
 
         Raises:
             ValueError: if `loss_scale` or `overflow_retries` is not one of
-                the above, or the model
-                is under a `tf.distribute` strategy kmp does not support (see
-                `kmp.distribute.check_strategy`).
+                the above, the model is under a `tf.distribute` strategy kmp
+                does not support (see `kmp.distribute.check_strategy`), or,
+                on JAX, `overflow_retries` is an int > 0.
+            NotImplementedError: on JAX, under a `tf.distribute` strategy's
+                scope (use `keras.distribution` there).
         """
         _check_loss_scale(loss_scale)
         _check_overflow_retries(overflow_retries)

@@ -30,6 +30,7 @@ import keras
 from keras import ops
 
 from kmp import _keras_internals
+from kmp import _train_step
 from kmp import loss_scale as loss_scale_module
 
 
@@ -96,23 +97,14 @@ def reporting_step(model, step, own):
     `scale_loss` is applied undivided, with a warning); the logs gain
     `loss_scale` and `skipped_steps`, read from the step's new state.
     """
-    from kmp import _optimizers
-    from kmp import _train_step
-
     @functools.wraps(step)
     def train_step_with_scaler_logs(state, data):
-        if not own:
-            _train_step.held_models_return_float32(model)
-        scalers = list(_optimizers.scaling_optimizers(model).values())
-        for optimizer in scalers:
-            optimizer._kmp_record.begin_model_step()
-        try:
-            logs, state = step(model, state, data)
-        finally:
-            for optimizer in scalers:
-                optimizer._kmp_record.in_model_step = False
-                # Nothing traced may outlive the trace.
-                optimizer._kmp_record.loss = optimizer._kmp_record.last_loss = None
+        with _train_step.inside_model_step(model, own) as scalers:
+            try:
+                logs, state = step(model, state, data)
+            finally:
+                for optimizer in scalers:  # nothing traced may outlive the trace
+                    optimizer._kmp_record.loss = optimizer._kmp_record.last_loss = None
         if isinstance(logs, dict) and len(state) == 4:
             logs = dict(logs, **scaler_logs(model, state[2]))
         return logs, state
@@ -123,8 +115,6 @@ def reporting_step(model, step, own):
 def without_monitor_logs(model, keras_train_function):
     """Keras' `train_function(state, iterator)`, whose logs lose the monitor's
     values (kept on the model, as kmp.Model's TensorFlow train function does)."""
-    from kmp import _train_step
-
     prefix = _train_step.MONITOR_LOG_PREFIX
 
     def train_function(state, iterator):

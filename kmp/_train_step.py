@@ -12,6 +12,7 @@
   (a GAN's generator and discriminator) return float32, as kmp.Model does.
 """
 
+import contextlib
 import functools
 
 import keras
@@ -58,16 +59,8 @@ def reporting_scalers(model, train_step, own):
                 "overflow_retries=0. Received: overflow_retries="
                 f"{model._kmp_overflow_retries}"
             )
-        if not own:
-            held_models_return_float32(model)
-        scalers = list(_optimizers.scaling_optimizers(model).values())
-        for optimizer in scalers:
-            optimizer._kmp_record.begin_model_step()
-        try:
+        with inside_model_step(model, own) as scalers:
             logs = train_step(model, data)
-        finally:
-            for optimizer in scalers:
-                optimizer._kmp_record.in_model_step = False
         applied = [optimizer for optimizer in scalers if optimizer._kmp_record.applied]
         if applied and isinstance(logs, dict):
             retrying = own and retries_on(model, model.optimizer)
@@ -75,6 +68,27 @@ def reporting_scalers(model, train_step, own):
         return logs
 
     return train_step_with_scaler_logs
+
+
+@contextlib.contextmanager
+def inside_model_step(model, own):
+    """Runs a kmp.Model's train step with its scalers told so; yields them.
+
+    Each loss scaler the model holds learns that it runs inside kmp.Model's
+    train step (gradients of a loss that skipped `scale_loss` are applied
+    undivided, with a warning) until the step returns; a subclass's own step
+    (`own=False`) first gets its held models returning float32.
+    """
+    if not own:
+        held_models_return_float32(model)
+    scalers = list(_optimizers.scaling_optimizers(model).values())
+    for optimizer in scalers:
+        optimizer._kmp_record.begin_model_step()
+    try:
+        yield scalers
+    finally:
+        for optimizer in scalers:
+            optimizer._kmp_record.in_model_step = False
 
 
 def held_models_return_float32(model):

@@ -690,8 +690,7 @@ def _stateless_step(optimizer, optimizer_variables, grads, trainable_variables, 
     Returns:
         `(new_trainable_values, new_optimizer_values, finite)`.
     """
-    _check_jax_buildable(optimizer)
-    inner = optimizer.inner_optimizer
+    inner = optimizer.inner_optimizer  # built: `build` refused accumulation on JAX
     variables = list(optimizer.variables)
     if len(optimizer_variables) != len(variables):
         raise ValueError(
@@ -783,8 +782,6 @@ def _jax_apply(optimizer, grads, trainable_variables, divide):
     for variable, value in zip(optimizer.variables, new_values):
         variable.assign(value)
     return finite
-
-
 
 
 def _snapshot(value):

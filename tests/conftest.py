@@ -22,7 +22,7 @@ if BACKEND == "jax":
 # The files the JAX pass runs: kmp on JAX, and the files whose tests hold on
 # every backend (the others use TensorFlow itself: tapes, tf.function,
 # tf.distribute, TensorFlow's error types and rounding). The TensorFlow pass
-# runs every file but test_jax.py.
+# runs every file but those in JAX_ONLY.
 JAX_TESTS = (
     "test_jax.py",
     "test_policy.py",
@@ -30,11 +30,14 @@ JAX_TESTS = (
     "test_built_precision.py",
     "test_format.py",
     "test_ledger.py",
+    "test_keras_io_jax.py",
 )
+# The JAX pass's own files, which the TensorFlow pass leaves out.
+JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py")
 collect_ignore = (
     [name for name in os.listdir(os.path.dirname(__file__))
      if name.startswith("test_") and name.endswith(".py") and name not in JAX_TESTS]
-    if BACKEND == "jax" else ["test_jax.py"]
+    if BACKEND == "jax" else list(JAX_ONLY)
 )
 
 import tensorflow as tf  # noqa: E402
@@ -68,6 +71,9 @@ import kmp  # noqa: E402,F401
 # one test by "file::name" (every parametrization of it).
 SLOW = (
     "test_benchmarks.py",
+    # keras.io's examples and guides, each trained twice (float32, mixed_float16).
+    "test_keras_io.py",
+    "test_keras_io_jax.py",
     "test_compat.py",
     "test_docs.py::test_every_python_block_runs",
     "test_examples.py",

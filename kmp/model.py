@@ -191,17 +191,23 @@ class Model(_keras_internals.ModelBase):
     """
 
     def __new__(cls, *args, **kwargs):
-        if _keras_internals.functional_init_arguments(args, kwargs):
-            cls = FunctionalModel if cls is Model else _functional_class(cls)
+        # Keras' rule: only `Model(inputs, outputs)` itself is functional
+        # from the start. A subclass's constructor arguments are its own
+        # (keras.io's `VAE(encoder, decoder)`, `GAN(discriminator,
+        # generator)`); it becomes functional in `__init__` below, if what
+        # reaches kmp.Model's `__init__` are inputs and outputs.
+        if cls is Model and _keras_internals.functional_init_arguments(args, kwargs):
+            cls = FunctionalModel
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
         if _keras_internals.functional_init_arguments(args, kwargs):
             if not isinstance(self, _keras_internals.Functional):
-                # A subclass whose own __init__ makes the graph (`__new__`
-                # saw no inputs): this new instance becomes one of kmp's
-                # functional class for it. Keras would rewrite the user's
-                # class's bases instead, for every instance to come.
+                # A subclass given inputs and outputs (by its own
+                # `__init__`, or by its caller when it has none): this new
+                # instance becomes one of kmp's functional class for it.
+                # Keras would rewrite the user's class's bases instead, for
+                # every instance to come.
                 object.__setattr__(self, "__class__", _functional_class(type(self)))
             # Never through keras.Model.__init__, which rewrites class bases
             # up to keras.Model.

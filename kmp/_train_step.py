@@ -142,6 +142,9 @@ def run_train_step(model, data, keras_train_step):
         not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
         or not optimizer.enabled
         or skipped_losses is None
+        # Keras' step applies nothing then (it warns that the model has no
+        # trainable weights): no step to skip or redo.
+        or not model.trainable_weights
     ):
         return keras_train_step(data)
     retries = retry_budget(model, optimizer)

@@ -142,6 +142,9 @@ def run_train_step(model, data, keras_train_step):
         not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
         or not optimizer.enabled
         or skipped_losses is None
+        # Keras' step applies nothing then (it warns that the model has no
+        # trainable weights): no step to skip or redo.
+        or not model.trainable_weights
     ):
         return keras_train_step(data)
     retries = retry_budget(model, optimizer)
@@ -202,6 +205,12 @@ def _asked_retries(model):
     return getattr(model, "_kmp_overflow_retries", "auto")
 
 
+def is_users_scaler(model, optimizer):
+    """Whether `optimizer` is a loss scaler the user passed to `model.compile`
+    (kmp's, or Keras' that kmp took over), not one kmp made."""
+    return optimizer is not None and optimizer is getattr(model, "_kmp_users_scaler", None)
+
+
 def retries_on(model, optimizer):
     """Whether a batch of `model`'s own train step can be redone (see `retry_budget`)."""
     asked = _asked_retries(model)
@@ -209,6 +218,8 @@ def retries_on(model, optimizer):
         return bool(asked)
     return (
         isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
+        # A scaler the user made keeps Keras' semantics: skipped, not redone.
+        and not is_users_scaler(model, optimizer)
         and optimizer.enabled
         and optimizer.dynamic
         and not getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None)
@@ -220,8 +231,9 @@ def retry_budget(model, optimizer):
     """The retries a batch of `model`'s own train step gets, or `None` (none).
 
     `compile(overflow_retries=n)`: `n` (`None` for 0). `"auto"`: where a retry
-    can run (a dynamic kmp scaler without gradient accumulation, and a step
-    without `merge_call`), an int32 tensor: `_SETTLING_RETRIES` until a step
+    can run and kmp made the scaler (a dynamic kmp scaler around the optimizer
+    compile was given, without gradient accumulation, and a step without
+    `merge_call`), an int32 tensor: `_SETTLING_RETRIES` until a step
     has been applied, then `_AUTO_RETRIES`; elsewhere `None`.
     """
     asked = _asked_retries(model)

@@ -358,6 +358,8 @@ def _compile_like(converted, model):
     # A kmp.Model's compile config carries its loss_scale choice; any other
     # model gets kmp's default, scaling exactly when it computes in float16.
     loss_scale = config.pop("loss_scale", "auto")
+    # The scaler is made anew for the new policy: kmp's, not the user's.
+    config.pop("users_scaler", None)
     converted.compile(optimizer=optimizer, loss_scale=loss_scale, **config)
 
 

@@ -58,6 +58,33 @@ def _loss_scale_optimizer(optimizer, loss_scale, model):
     )
 
 
+def _users_scaler(given, optimizer, model):
+    """The loss scaler `compile` uses, if the user made it; else `None`.
+
+    Args:
+        given: The optimizer passed to `compile` (after
+            `keras.optimizers.get`).
+        optimizer: The optimizer `compile` uses (`_loss_scale_optimizer`'s).
+        model: The model being compiled, still holding its previous
+            optimizer.
+
+    A scaler the user passed (kmp's, or Keras' that kmp took over) keeps
+    Keras' semantics: an overflowing batch is skipped, not redone, unless
+    `overflow_retries` asks for retries. The scaler kmp made around a plain
+    optimizer stays kmp's when it is compiled again (`compile(
+    model.optimizer)`).
+    """
+    if not (
+        isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
+        and isinstance(given, keras.optimizers.LossScaleOptimizer)
+    ):
+        return None
+    previous = getattr(model, "optimizer", None)
+    if given is previous and previous is not getattr(model, "_kmp_users_scaler", None):
+        return None
+    return optimizer
+
+
 def _continue_scaling(model, previous, scaler):
     """Starts `scaler` (made by a recompile) at `previous`'s scale and counters.
 
@@ -191,17 +218,23 @@ class Model(_keras_internals.ModelBase):
     """
 
     def __new__(cls, *args, **kwargs):
-        if _keras_internals.functional_init_arguments(args, kwargs):
-            cls = FunctionalModel if cls is Model else _functional_class(cls)
+        # Keras' rule: only `Model(inputs, outputs)` itself is functional
+        # from the start. A subclass's constructor arguments are its own
+        # (keras.io's `VAE(encoder, decoder)`, `GAN(discriminator,
+        # generator)`); it becomes functional in `__init__` below, if what
+        # reaches kmp.Model's `__init__` are inputs and outputs.
+        if cls is Model and _keras_internals.functional_init_arguments(args, kwargs):
+            cls = FunctionalModel
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
         if _keras_internals.functional_init_arguments(args, kwargs):
             if not isinstance(self, _keras_internals.Functional):
-                # A subclass whose own __init__ makes the graph (`__new__`
-                # saw no inputs): this new instance becomes one of kmp's
-                # functional class for it. Keras would rewrite the user's
-                # class's bases instead, for every instance to come.
+                # A subclass given inputs and outputs (by its own
+                # `__init__`, or by its caller when it has none): this new
+                # instance becomes one of kmp's functional class for it.
+                # Keras would rewrite the user's class's bases instead, for
+                # every instance to come.
                 object.__setattr__(self, "__class__", _functional_class(type(self)))
             # Never through keras.Model.__init__, which rewrites class bases
             # up to keras.Model.
@@ -236,9 +269,11 @@ class Model(_keras_internals.ModelBase):
             optimizer: As for `keras.Model.compile`. A
                 `kmp.LossScaleOptimizer` is used as given; Keras'
                 `LossScaleOptimizer` is replaced by kmp's with the same inner
-                optimizer and settings. Compiling a trained model again (a
+                optimizer and settings (still the user's scaler: see
+                `overflow_retries`). Compiling a trained model again (a
                 fine-tune) with an optimizer kmp wraps keeps the loss
-                scale and counters of the scaler before.
+                scale and counters of the scaler before; a scaler passed
+                here starts as it was made.
             loss_scale: `"auto"` (the default): dynamic loss scaling when the
                 model computes in float16, none otherwise. `"dynamic"`: dynamic
                 scaling whatever the dtype. A number in (0, float32 max]: a
@@ -252,13 +287,20 @@ class Model(_keras_internals.ModelBase):
                 step whose loss itself is not finite is skipped at once. An
                 int needs a train step without `merge_call` (no strategy,
                 OneDeviceStrategy, or MirroredStrategy on GPUs under XLA) and
-                kmp.Model's own `train_step`. `"auto"` (the default): where
-                those hold, the scale finds its level on the first batch
-                (redone until its gradients are finite or the scale reaches
-                `min_scale`, so no batch is lost while the scale settles),
-                and every later batch gets one retry; elsewhere, and on
-                Keras' JAX backend, no retries. Recompiling keeps the
-                scaler's scale and counters (see `optimizer`).
+                kmp.Model's own `train_step`. `"auto"` (the default): with
+                the scaler kmp makes (`loss_scale` `"auto"` or `"dynamic"`
+                wrapping a plain `optimizer`), where those hold, the scale
+                finds its level on the first batch (redone until its
+                gradients are finite or the scale reaches `min_scale`, so no
+                batch is lost while the scale settles), and every later
+                batch gets one retry. With a scaler the user passed as
+                `optimizer` (kmp's or Keras'), elsewhere, and on Keras' JAX
+                backend: no retries, Keras' semantics (an overflowing batch
+                runs once, is skipped and counted, and `iterations` counts
+                applied steps). Recompiling with `model.optimizer`, a `.keras`
+                round trip and `kmp.load_model` keep whose scaler it is;
+                recompiling keeps the scale and counters of the scaler kmp
+                made (see `optimizer`).
             **kwargs: The other arguments of `keras.Model.compile`.
                 `auto_scale_loss=False` means `loss_scale=None`.
 
@@ -293,11 +335,17 @@ class Model(_keras_internals.ModelBase):
         optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
         given = optimizer
         optimizer = _loss_scale_optimizer(optimizer, loss_scale, self)
+        users_scaler = _users_scaler(given, optimizer, self)
         previous = getattr(self, "optimizer", None)
         self._kmp_loss_scale = loss_scale
         self._kmp_overflow_retries = overflow_retries
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
-        if optimizer is not given:  # kmp made this scaler: it goes on from the last one
+        # object.__setattr__: Keras would track the optimizer as the model's
+        # state. Compared by identity (`_train_step.retries_on`): an
+        # optimizer set later (`kmp.load_model`'s wrapper) is not the user's.
+        object.__setattr__(self, "_kmp_users_scaler", users_scaler)
+        if optimizer is not given and users_scaler is None:
+            # kmp made this scaler: it goes on from the last one.
             _continue_scaling(self, previous, optimizer)
         # The mean loss of the epoch's skipped steps (see `train_step`); not
         # one of the model's metrics, so not in the logs itself.
@@ -308,13 +356,24 @@ class Model(_keras_internals.ModelBase):
         if config:  # Keras returns {} for a model that was never compiled.
             config["loss_scale"] = getattr(self, "_kmp_loss_scale", "auto")
             config["overflow_retries"] = getattr(self, "_kmp_overflow_retries", "auto")
+            # Whether the user passed the scaler (no retries by default); the
+            # loaded optimizer is passed to compile() again, which would
+            # otherwise take it for the user's.
+            config["users_scaler"] = _train_step.is_users_scaler(
+                self, getattr(self, "optimizer", None)
+            )
         return config
 
     def compile_from_config(self, config):
         # Keras skips compile() on load when a class overrides it; ours only
-        # adds `loss_scale`, which the config carries.
+        # adds `loss_scale` and `overflow_retries`, which the config carries.
         config = keras.saving.deserialize_keras_object(config)
+        # Files saved before kmp told the two apart: the scaler kmp made.
+        users_scaler = config.pop("users_scaler", False)
         self.compile(**config)
+        object.__setattr__(
+            self, "_kmp_users_scaler", getattr(self, "optimizer", None) if users_scaler else None
+        )
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 

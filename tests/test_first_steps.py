@@ -91,7 +91,9 @@ def test_a_rare_overflowing_batch_moves_the_scale_as_a_skip_would():
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
         return model.optimizer
 
-    dropped, retried = run(overflow_retries=0), run()
+    # The scaler is the user's (made with its own initial scale): retries
+    # are asked for, as "auto" gives them only to a scaler kmp made.
+    dropped, retried = run(overflow_retries=0), run(overflow_retries=1)
     assert int(dropped.skipped_steps) == 1 and int(dropped.iterations) == 7
     assert int(retried.skipped_steps) == 0 and int(retried.iterations) == 8
     assert int(retried.counters["retries"]) == 1
@@ -168,3 +170,133 @@ def test_apply_without_scaling_says_applied():
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), enabled=False)
     w = keras.Variable([1.0])
     assert bool(optimizer.apply([tf.constant([1.0])], [w]))
+
+
+class CountsCalls(keras.layers.Layer):
+    """Passes its input on and counts the forward passes that ran in
+    training: a side effect a retry would run again."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+                                     trainable=False, name="calls")
+
+    def call(self, x, training=False):
+        if training:
+            self.calls.assign_add(1)
+        return x
+
+
+def _fit_with_one_overflowing_batch(base, optimizer, **compile_kwargs):
+    """4 batches of 8; the 2nd has sample weights of 1e6, whose gradients
+    overflow float16 at any scale the scaler reaches in one or two halvings.
+    The others (targets ~0.1) are finite at 2**15.
+
+    Returns:
+        `(model, history, forward passes in training)`.
+    """
+    from _helpers import overflowing_sample_weights
+
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    counter = CountsCalls()
+    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(counter(inputs))
+    model = base(inputs, outputs)
+    if base is kmp.Model:
+        model.compile(optimizer, "mse", **compile_kwargs)
+    else:
+        model.compile(optimizer, "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = np.full((32, 1), 0.1, "float32")
+    weights = overflowing_sample_weights(32, 8, [2])
+    history = model.fit(x, y, sample_weight=weights, batch_size=8, shuffle=False,
+                        verbose=0).history
+    return model, history, int(counter.calls.numpy())
+
+
+@pytest.mark.parametrize("scaler", ["kmp", "keras"])
+def test_a_scaler_the_user_made_skips_as_in_keras_without_retries(scaler):
+    """Issue 30: `overflow_retries="auto"` redid the overflowing batch of a
+    scaler the user passed (a layer with side effects ran twice); retries by
+    default belong to the scaler kmp made."""
+    make = {"kmp": kmp.LossScaleOptimizer, "keras": keras.optimizers.LossScaleOptimizer}[scaler]
+    model, history, calls = _fit_with_one_overflowing_batch(
+        kmp.Model, make(keras.optimizers.SGD(0.01), initial_scale=256.0)
+    )
+    # Keras' own scaler on keras.Model: the reference.
+    reference, _, reference_calls = _fit_with_one_overflowing_batch(
+        keras.Model, keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01),
+                                                         initial_scale=256.0)
+    )
+    assert calls == reference_calls == 4  # one forward pass per batch
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 3
+    assert float(model.optimizer.loss_scale) == float(reference.optimizer.dynamic_scale) == 128.0
+    assert int(model.optimizer.skipped_steps) == 1 and history["skipped_steps"] == [1]
+    assert int(model.optimizer.counters["retries"]) == 0
+    assert "retried_steps" not in history
+    np.testing.assert_allclose(model.get_weights()[0], reference.get_weights()[0], rtol=1e-3)
+
+
+def test_the_scaler_kmp_made_retries_and_a_user_can_ask_for_retries():
+    model, history, calls = _fit_with_one_overflowing_batch(kmp.Model, keras.optimizers.SGD(0.01))
+    # The overflowing batch ran again at half the scale (it still
+    # overflowed and was dropped): 4 batches, 5 forward passes.
+    assert history["retried_steps"] == [1] and calls == 5
+    assert int(model.optimizer.skipped_steps) == 1 and int(model.optimizer.iterations) == 3
+    _, history, calls = _fit_with_one_overflowing_batch(
+        kmp.Model, kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=256.0),
+        overflow_retries=2,
+    )
+    assert history["retried_steps"] == [2] and calls == 6
+
+
+def test_who_made_the_scaler_survives_recompile_keras_file_and_load_model(tmp_path):
+    from kmp import _train_step
+
+    def retries(model):
+        return _train_step.retry_budget(model, model.optimizer) is not None
+
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+
+    model.compile("sgd", "mse")
+    assert retries(model) and model.get_compile_config()["users_scaler"] is False
+    model.compile(model.optimizer, "mse")  # kmp's own scaler, compiled again
+    assert retries(model)
+    users = kmp.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0)
+    model.compile(users, "mse")
+    assert not retries(model) and model.get_compile_config()["users_scaler"] is True
+    model.compile(model.optimizer, "mse")  # still the user's
+    assert not retries(model)
+    model.compile(users, "mse", overflow_retries=3)
+    assert int(_train_step.retry_budget(model, model.optimizer)) == 3
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0),
+                  "mse")
+    assert not retries(model)  # Keras' scaler, taken over by kmp's, is the user's
+    assert float(model.optimizer.loss_scale) == 8.0  # and starts as the user made it
+
+    for users_scaler in (True, False):
+        model.compile(users if users_scaler else "sgd", "mse")
+        model.fit(x, y, verbose=0)
+        path = tmp_path / f"users_{users_scaler}.keras"
+        model.save(path)
+        for loaded in (keras.models.load_model(path), kmp.load_model(path),
+                       kmp.load_model(path, policy="mixed_float16")):
+            assert type(loaded.optimizer) is kmp.LossScaleOptimizer
+            assert retries(loaded) is not users_scaler
+            assert loaded.get_compile_config()["users_scaler"] is users_scaler
+        history = loaded.fit(x, y, verbose=0).history
+        assert ("retried_steps" in history) is not users_scaler
+
+    # Saved without scaling, loaded under float16: the scaler kmp.load_model
+    # adds is kmp's.
+    kmp.set_policy("float32")
+    inputs = keras.Input((4,))
+    plain = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    plain.compile("sgd", "mse")
+    plain.fit(x, y, verbose=0)
+    plain.save(tmp_path / "plain.keras")
+    loaded = kmp.load_model(tmp_path / "plain.keras", policy="mixed_float16")
+    assert type(loaded.optimizer) is kmp.LossScaleOptimizer and retries(loaded)

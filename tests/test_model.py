@@ -382,3 +382,63 @@ def test_auto_loss_scale_follows_the_layers_not_the_model_policy():
     model = kmp.Model(inputs, outputs)  # the model takes mixed_float16 ...
     model.compile("sgd", "mse")  # ... but nothing in it computes in float16
     assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_a_subclass_given_inputs_and_outputs_becomes_functional_as_in_keras():
+    # Keras' rule: `Sub(inputs=..., outputs=...)` of a subclass without its
+    # own __init__ is functional too (through Model.__init__, not __new__).
+    kmp.set_policy("float32")
+
+    class Plain(kmp.Model):
+        pass
+
+    class KerasPlain(keras.Model):
+        pass
+
+    for base, cls in ((kmp.Model, Plain), (keras.Model, KerasPlain)):
+        inputs = keras.Input((6,))
+        outputs = keras.layers.Dense(3)(inputs)
+        for model in (cls(inputs=inputs, outputs=outputs), cls(inputs, outputs)):
+            assert isinstance(model, _keras_internals.Functional)
+            assert isinstance(model, cls) and isinstance(model, base)
+            assert model.layers[-1] is outputs._keras_history.operation
+    assert isinstance(Plain(inputs, outputs), FunctionalModel)
+
+
+class ReturnsItsInput(kmp.Model):
+    """keras/src/trainers/trainer_test.py's `TrainingTestingLayer` as a
+    kmp.Model: no weights at all."""
+
+    def call(self, x, training=False):
+        return x if training else x * 0
+
+
+class KerasReturnsItsInput(keras.Model):
+    def call(self, x, training=False):
+        return x if training else x * 0
+
+
+@pytest.mark.parametrize(
+    "policy, compile_kwargs, scaled",
+    [("mixed_float16", {}, True),
+     ("mixed_float16", {"auto_scale_loss": False}, False),
+     ("mixed_bfloat16", {}, False)],
+)
+def test_adds_loss_scaling_optimizer(policy, compile_kwargs, scaled):
+    # Keras' trainer_test.py `test_adds_loss_scaling_optimizer`: a model
+    # without trainable weights fits (Keras' step applies nothing and says
+    # so); with no step to apply there is none to skip or redo (issue 30: kmp
+    # raised "None values not supported" in its retry loop).
+    x, y = np.ones((128, 1)), np.zeros((128, 1))
+    histories = []
+    for cls in (ReturnsItsInput, KerasReturnsItsInput):
+        model = cls(dtype=policy)
+        model.compile(optimizer="rmsprop", loss="mse", **compile_kwargs)
+        with pytest.warns(UserWarning, match="does not have any trainable weights"):
+            histories.append(model.fit(x, y, batch_size=32, verbose=0).history)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) == scaled
+        assert isinstance(model.optimizer, keras.optimizers.RMSprop) != scaled
+        assert int(model.optimizer.iterations) == 0
+    ours, theirs = histories
+    # The training call returns its input: the mse of ones against zeros.
+    assert ours == theirs == {"loss": [1.0]}

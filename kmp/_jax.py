@@ -86,7 +86,27 @@ def train_step(model, state, data, keras_train_step):
     if "loss" in logs:
         # No step applied yet this epoch: the loss of the skipped one.
         logs["loss"] = ops.where(steps_counted > 0, logs["loss"], ops.cast(unscaled_loss, "float32"))
+    if optimizer._monitored:
+        logs.update(monitor_logs(optimizer, optimizer_values, unscaled_loss))
     return logs, (trainable, non_trainable, optimizer_values, kept)
+
+
+def monitor_logs(optimizer, optimizer_values, loss):
+    """kmp.callbacks.LossScaleMonitor's values of this step, read from its new
+    optimizer values, as kmp.Model's TensorFlow step returns them.
+
+    Outputs of the step: JAX never donates them to the next one, so the
+    monitor may keep them until it processes the step (a variable's value
+    read during fit is an input of the next step, whose buffer JAX reuses).
+    """
+    prefix = _train_step.MONITOR_LOG_PREFIX
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_values))):
+        counters, nonfinite_gradients = loss_scale_module.monitor_state(optimizer)
+    return {
+        prefix + "counters": counters,
+        prefix + "nonfinite_gradients": nonfinite_gradients,
+        prefix + "loss": ops.cast(loss, "float32"),
+    }
 
 
 def reporting_step(model, step, own):
@@ -96,12 +116,25 @@ def reporting_step(model, step, own):
     they run inside kmp.Model's step (a gradient of a loss that skipped
     `scale_loss` is applied undivided, with a warning); the logs gain
     `loss_scale` and `skipped_steps`, read from the step's new state.
+
+    The step runs with each scaler's own state (its scale and counters)
+    mapped to this step's values of it (`keras.StatelessScope`), as Keras'
+    JAX trainer maps the optimizer's variables around its `scale_loss`
+    call: `self.optimizer.scale_loss(loss)` in a custom step reads the scale
+    the step was given, not the one JAX saw when it traced the step (which
+    it would then keep, compiled in, for every step after).
     """
     @functools.wraps(step)
     def train_step_with_scaler_logs(state, data):
         with _train_step.inside_model_step(model, own) as scalers:
             try:
-                logs, state = step(model, state, data)
+                mapping = _scaler_state_mapping(model, scalers, state)
+                if not mapping:  # no scaler (a float32 or bfloat16 policy): as Keras runs it
+                    logs, state = step(model, state, data)
+                else:
+                    with _ScalerState(mapping) as scope:
+                        logs, state = step(model, state, data)
+                    scope.assign_updates()
             finally:
                 for optimizer in scalers:  # nothing traced may outlive the trace
                     optimizer._kmp_record.loss = optimizer._kmp_record.last_loss = None
@@ -110,6 +143,56 @@ def reporting_step(model, step, own):
         return logs, state
 
     return train_step_with_scaler_logs
+
+
+def _scaler_state_mapping(model, scalers, state):
+    """`(variable, value)` for each scaler's own state variable in `state`.
+
+    Keras' JAX state carries `model.optimizer.variables` as its third item
+    (in that order) and the model's non-trainable variables as its second;
+    a scaler's own variables (not its inner optimizer's) found in either are
+    mapped to their values there.
+    """
+    wanted = set()
+    for optimizer in scalers:
+        if optimizer.built:
+            inner = {id(v) for v in optimizer.inner_optimizer.variables}
+            wanted.update(id(v) for v in optimizer.variables if id(v) not in inner)
+    if not wanted or not isinstance(state, (tuple, list)) or len(state) != 4:
+        return []
+    carried = [(model.non_trainable_variables, state[1])]
+    if getattr(model, "optimizer", None) is not None:
+        carried.append((model.optimizer.variables, state[2]))
+    mapping = []
+    for variables, values in carried:
+        if len(variables) == len(values):
+            mapping += [(v, value) for v, value in zip(variables, values) if id(v) in wanted]
+    return mapping
+
+
+class _ScalerState(keras.StatelessScope):
+    """A `keras.StatelessScope` that maps the scalers' state for a user's
+    step and otherwise leaves the step as it would run without it.
+
+    It collects the losses layers add (so `model.losses` in the step reads
+    them, as outside a scope), and `assign_updates` assigns, once the scope
+    is closed, what the step assigned to variables inside it (a scope holds
+    such assignments instead of making them).
+    """
+
+    def __init__(self, state_mapping):
+        super().__init__(state_mapping=state_mapping, collect_losses=True)
+        self._assigned = {}
+
+    def add_update(self, update):
+        super().add_update(update)
+        variable, value = update
+        self._assigned[id(variable)] = (variable, value)
+
+    def assign_updates(self):
+        for variable, value in self._assigned.values():
+            variable.assign(value)
+        self._assigned = {}
 
 
 def without_monitor_logs(model, keras_train_function):

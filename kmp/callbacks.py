@@ -240,8 +240,9 @@ def _path_for(path, name):
 
 def _read_step(model, optimizer, logs, loss_log="loss"):
     """Returns `(counters, nonfinite_gradients, loss, loss_scale)` for the step
-    just taken; `nonfinite_gradients` and `loss` stay tensors until the step
-    is processed.
+    just taken; `nonfinite_gradients` and `loss` from the step's outputs stay
+    tensors until the step is processed (nothing reuses them), those read
+    from the optimizer's variables are copied to the host now.
     """
     # kmp.Model's own step returns the values of `model.optimizer` only.
     own = optimizer is getattr(model, "optimizer", None)
@@ -255,6 +256,9 @@ def _read_step(model, optimizer, logs, loss_log="loss"):
         # optimizer: read the optimizer (one small host read per step) and
         # take the loss from the logs (the epoch's mean, for Keras' own step).
         counters, nonfinite_gradients = loss_scale_module.monitor_state(optimizer)
+        # Copied now: on JAX a variable's value read during fit is an input
+        # of the next step, which may reuse (donate) its buffer.
+        nonfinite_gradients = np.array(nonfinite_gradients)
         loss = float(logs.get(loss_log, logs.get("loss", float("nan"))))
     counters = np.asarray(counters).tolist()  # Python ints: cheap below
     if own and "loss_scale" in logs:

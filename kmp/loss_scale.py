@@ -199,8 +199,9 @@ _ADD_LINE = {
     "tensorflow": "Add one line inside the tape, `scaled_loss = {attribute}.scale_loss(loss)`, "
                   "and take `tape.gradient(scaled_loss, ...)`",
     "jax": "Add one line in the function you differentiate, `scaled_loss = "
-           "{attribute}.stateless_scale_loss(optimizer_variables, loss)`, and differentiate "
-           "`scaled_loss`",
+           "{attribute}.scale_loss(loss)` (in a `jax.grad` loop of your own, outside "
+           "kmp.Model's train step: `scaled_loss = {attribute}.stateless_scale_loss("
+           "optimizer_variables, loss)`), and differentiate `scaled_loss`",
 }
 
 _DEFAULT_GROWTH_INTERVAL = 2000

@@ -436,14 +436,20 @@ class Model(_keras_internals.ModelBase):
         if self.train_function is not None and not force:
             return self.train_function
         _train_step.wrap_optimizers(self, _loss_scale_optimizer)
-        if "train_step" not in vars(self):
-            # Once, on this instance (no class is changed): Keras' function
-            # and kmp's call `self.train_step`, now with the scalers' logs.
+        own_wrapper = getattr(vars(self).get("train_step"), "_kmp_reporting", False)
+        if "train_step" not in vars(self) or (own_wrapper and not _ON_TENSORFLOW):
+            # On this instance (no class is changed): Keras' function and
+            # kmp's call `self.train_step`, now with the scalers' logs. On
+            # TensorFlow once: each `tf.function` Keras makes traces it
+            # afresh. On JAX a new function for each train function: `jax.jit`
+            # keeps its traces by the Python function, and the same one would
+            # bring back the step traced for the last `compile` (its loss, its
+            # metrics, its optimizer) or before a monitor was attached.
             step = type(self).train_step
             reporting = _train_step.reporting_scalers if _ON_TENSORFLOW else _jax.reporting_step
-            object.__setattr__(
-                self, "train_step", reporting(self, step, own=step is Model.train_step)
-            )
+            wrapper = reporting(self, step, own=step is Model.train_step)
+            wrapper._kmp_reporting = True
+            object.__setattr__(self, "train_step", wrapper)
         super().make_train_function(force=force)
         if not _ON_TENSORFLOW:
             self.train_function = _jax.without_monitor_logs(self, self.train_function)

@@ -364,7 +364,8 @@ def test_a_jax_grad_loop_without_the_line_warns_once_naming_it():
 
 
 class _StatelessStepModel(kmp.Model):
-    """keras.io's "customizing fit() with JAX" model, with kmp's one line."""
+    """keras.io's "customizing fit() with JAX" model, with kmp's one line
+    (Keras' own `self.optimizer.scale_loss(loss)`)."""
 
     def __init__(self, scale_line=True, **kwargs):
         super().__init__(**kwargs)
@@ -379,7 +380,7 @@ class _StatelessStepModel(kmp.Model):
         y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x)
         loss = ops.mean(ops.square(y_pred - y))
         if self.scale_line:
-            scaled = self.optimizer.stateless_scale_loss(optimizer_variables, loss)
+            scaled = self.optimizer.scale_loss(loss)
         else:
             scaled = loss
         return scaled, (loss, non_trainable)
@@ -424,8 +425,7 @@ def test_a_custom_stateless_train_step_is_protected_and_reports(scale_line):
         assert messages == []
     else:
         assert len(messages) == 1
-        assert "stateless_scale_loss" in messages[0] or "scale_loss" in messages[0]
-        assert "self.optimizer" in messages[0]
+        assert "`scaled_loss = self.optimizer.scale_loss(loss)`" in messages[0]
 
 
 def test_eager_apply_skips_and_counts_like_the_traced_step():
@@ -655,3 +655,198 @@ def test_a_softmax_output_is_computed_in_float32_so_the_scale_need_not_back_off(
     # Keras' scaler skipped the four steps kmp applied.
     assert int(plain.optimizer.iterations) == 0
     assert float(plain.optimizer.dynamic_scale) == 2.0**11
+
+
+# -- a second compile, the monitor after an overflow, the one line under every policy
+
+
+def _one_weight_model(cls):
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(inputs)
+    return cls(inputs, outputs)
+
+
+@pytest.mark.parametrize("loss_scale", ["auto", "dynamic"])
+def test_a_second_compile_trains_with_its_own_loss_and_metrics_as_keras_model(loss_scale):
+    # jax.jit keeps a trace per Python function: the step of the first
+    # compile must not come back for the second (keras-team/keras
+    # trainer_test.py's test_recompile).
+    x = np.ones((4, 1), "float32")
+    y = np.full((4, 1), 3.0, "float32")
+    runs = {}
+    for cls in (keras.Model, kmp.Model):
+        model = _one_weight_model(cls)
+        kwargs = {"loss_scale": loss_scale} if cls is kmp.Model else {}
+        model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"], **kwargs)
+        first = model.fit(x, y, batch_size=4, verbose=0).history
+        model.compile(keras.optimizers.SGD(0.1), "mae", metrics=["mse"], **kwargs)
+        second = model.fit(x, y, batch_size=4, verbose=0).history
+        runs[cls] = first, second, np.asarray(model.layers[1].kernel.value)
+    (k_first, k_second, k_kernel), (ours_first, ours_second, ours_kernel) = runs.values()
+    # mse at kernel 1: 4; one SGD step of mse: kernel 1.4; mae there: 1.6.
+    assert ours_first["loss"] == k_first["loss"] == [4.0]
+    np.testing.assert_allclose(ours_second["loss"], k_second["loss"], rtol=1e-6)
+    np.testing.assert_allclose(ours_second["loss"], [1.6], rtol=1e-6)
+    assert "mse" in ours_second and "mae" not in ours_second
+    np.testing.assert_allclose(ours_second["mse"], k_second["mse"], rtol=1e-6)
+    np.testing.assert_allclose(ours_kernel, k_kernel, rtol=1e-6)
+
+
+def _overflowing_mid_epoch(optimizer, steps_per_execution, model=None):
+    """A float16 regression at scale 2**10 whose third batch of eight (of
+    each epoch) overflows its gradients, not its loss."""
+    kmp.set_policy("mixed_float16")
+    if model is None:
+        inputs = keras.Input((8,))
+        model = kmp.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(4)(inputs)))
+    model.compile(kmp.LossScaleOptimizer(optimizer, initial_scale=2.0**10), "mse",
+                  steps_per_execution=steps_per_execution)
+    x = np.random.default_rng(0).random((64, 8), dtype=np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    x[20] = 1e3
+    return model, x, y
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_monitor_reports_backward_overflows_mid_epoch_on_jax(
+        optimizer, steps_per_execution, tmp_path):
+    # The flags of the overflowing variables were a variable's value, which
+    # the next jitted step donated: "Array has been deleted" when processed.
+    model, x, y = _overflowing_mid_epoch(optimizer, steps_per_execution)
+    monitor = kmp.callbacks.LossScaleMonitor(verbose=0, csv_path=str(tmp_path / "steps.csv"))
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[monitor])
+    assert history.history["skipped_steps"] == [1, 2]
+    assert history.history["loss_scale"] == [2.0**9, 2.0**8]
+    summaries = monitor.epoch_summaries
+    assert [(s["steps"], s["skipped"], s["backward"], s["forward"]) for s in summaries] == [
+        (8, 1, 1, 0), (8, 1, 1, 0)]
+    assert [(s["start_scale"], s["end_scale"]) for s in summaries] == [
+        (2.0**10, 2.0**9), (2.0**9, 2.0**8)]
+    names = {v.path for v in model.trainable_variables}
+    for summary in summaries:
+        assert summary["nonfinite_variables"] and set(summary["nonfinite_variables"]) <= names
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    # One row per execution: its last step, and how many of its steps skipped.
+    assert [int(r["step"]) for r in rows] == list(range(steps_per_execution, 17,
+                                                        steps_per_execution))
+    skipped_rows = [int(r["step"]) for r in rows if int(r["skipped"])]
+    overflow_step = 3 if steps_per_execution == 1 else 4  # the execution holding step 3
+    assert skipped_rows == [overflow_step, overflow_step + 8]
+    assert {r["reason"] for r in rows if int(r["skipped"])} == {"backward"}
+    # The scale after each row, in closed form: halved once per skip so far.
+    expected_scales = [2.0**10 * 0.5 ** sum(s <= int(r["step"]) for s in skipped_rows)
+                       for r in rows]
+    assert [float(r["loss_scale"]) for r in rows] == expected_scales
+    if steps_per_execution == 1:
+        # The step's own loss (kmp.Model's step returns it), not the epoch's
+        # mean, which leaves the skipped step out: x[20] = 1e3 makes it huge.
+        assert float(rows[2]["loss"]) > 100 * max(history.history["loss"])
+
+
+def test_the_monitor_reads_a_custom_jax_step_from_the_optimizer_after_an_overflow(tmp_path):
+    # A custom step returns no monitor values: the monitor reads the
+    # optimizer's variables, copied before the next step reuses them.
+    kmp.set_policy("mixed_float16")
+    model, x, y = _overflowing_mid_epoch("sgd", 1, model=_StatelessStepModel())
+    monitor = kmp.callbacks.LossScaleMonitor(verbose=0, csv_path=str(tmp_path / "steps.csv"))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert [(s["skipped"], s["backward"]) for s in monitor.epoch_summaries] == [(1, 1), (1, 1)]
+    assert all(s["nonfinite_variables"] for s in monitor.epoch_summaries)
+    with open(tmp_path / "steps.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f) if int(r["skipped"])] == [3, 11]
+
+
+def _scale_line_model(base):
+    """keras.io's custom JAX `train_step`, with Keras' own line
+    `self.optimizer.scale_loss(loss)`; its logs carry `scaled / loss`."""
+
+    class ScaleLineModel(base):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def compute_loss_and_updates(self, trainable, non_trainable, optimizer_variables, x, y):
+            y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x)
+            loss = ops.mean(ops.square(y_pred - y))
+            scaled = self.optimizer.scale_loss(loss)  # the one line
+            return scaled, (loss, scaled, non_trainable)
+
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            x, y = data
+            grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+            (_, (loss, scaled, non_trainable)), grads = grad_fn(
+                trainable, non_trainable, optimizer_variables, x, y
+            )
+            trainable, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainable
+            )
+            logs = {"loss": loss, "scale_used": scaled / loss}
+            return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    return ScaleLineModel()
+
+
+def _fit_logging_steps(model, x, y, **kwargs):
+    steps = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: steps.append(dict(logs)))
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[record],
+                        **kwargs)
+    return history.history, steps
+
+
+def _same_weights(model, reference):
+    for each in (model, reference):
+        each(np.zeros((1, 4), "float32"))  # builds the layers
+    reference.set_weights(model.get_weights())
+
+
+def test_scale_loss_in_a_custom_jax_step_reads_the_scale_of_each_step():
+    # Without the step's value the scale JAX saw when it traced the step
+    # would be compiled in (or, in fit, a purged variable read: an error).
+    x = np.random.default_rng(0).random((32, 4), dtype=np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    x[9] = 1e17  # the second batch: a finite loss, gradients over float32's range
+    model = _scale_line_model(kmp.Model)
+    reference = _scale_line_model(keras.Model)
+    _same_weights(model, reference)
+    model.compile(kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**24))
+    history, steps = _fit_logging_steps(model, x, y)
+    assert [s["skipped_steps"] for s in steps] == [0, 1, 1, 1]
+    assert [s["scale_used"] for s in steps if np.isfinite(s["scale_used"])] == [
+        2.0**24, 2.0**23, 2.0**23]
+    assert history["loss_scale"] == [2.0**23]
+    # The weights: plain SGD on the unscaled loss of the batches applied.
+    reference.compile(keras.optimizers.SGD(0.01))
+    kept = np.r_[0:8, 16:32]
+    reference.fit(x[kept], y[kept], batch_size=8, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "auto"])
+def test_the_one_line_runs_unchanged_without_a_scaler_and_trains_as_keras_model(policy):
+    # Under these policies (auto on a CPU: float32) compile makes no scaler:
+    # `self.optimizer` is Keras' SGD, whose `scale_loss` returns the loss.
+    kmp.set_policy(policy)
+    x = np.random.default_rng(1).random((32, 4), dtype=np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    model = _scale_line_model(kmp.Model)
+    reference = _scale_line_model(keras.Model)
+    _same_weights(model, reference)
+    model.compile(keras.optimizers.SGD(0.01))
+    reference.compile(keras.optimizers.SGD(0.01))
+    history, _ = _fit_logging_steps(model, x, y, epochs=2)
+    expected, _ = _fit_logging_steps(reference, x, y, epochs=2)
+    assert "loss_scale" not in history
+    assert history["scale_used"] == [1.0, 1.0]
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)

@@ -378,14 +378,19 @@ def test_dynamic_loss_scaling(strategy_name, get_config, request):
             inputs = keras.Input((1,), dtype="float16")
             layer = MultiplyLayer(assert_type="float16")
             y = layer(inputs)
-            y = keras.layers.Lambda(_nan_gradients(have_nan_gradients))(y)
-            y = keras.layers.Lambda(
-                _grad_check(expected_gradient, expected_dtype=tf.float16))(y)
+            nan_fn = _nan_gradients(have_nan_gradients)
+            check_fn = _grad_check(expected_gradient, expected_dtype=tf.float16)
+            y = keras.layers.Lambda(nan_fn)(y)
+            y = keras.layers.Lambda(check_fn)(y)
             model = kmp.Model(inputs, y)
             if get_config:
-                # The Lambda layers' functions: the original's safe_mode=False.
+                # Keras 3 names a Lambda's function in its config: the
+                # functions are handed back as custom objects.
                 model = keras.saving.deserialize_keras_object(
-                    keras.saving.serialize_keras_object(model), safe_mode=False)
+                    keras.saving.serialize_keras_object(model),
+                    custom_objects={"identity_with_nan_gradients": nan_fn,
+                                    "identity_with_grad_check": check_fn,
+                                    "MultiplyLayer": MultiplyLayer})
                 layer = _the_multiply_layer(model)
             model.compile(opt, loss=_loss_fn)
 

@@ -31,9 +31,28 @@ JAX_TESTS = (
     "test_format.py",
     "test_ledger.py",
 )
+# Keras' own tests ported to kmp (tests/peers/, see its __init__.py): the files
+# whose originals run on every backend run in both passes; the TensorFlow pass
+# runs all of them. A test of a backend-agnostic file that its original runs on
+# one backend only carries `@pytest.mark.backend("tensorflow")` (or "jax") and
+# is deselected, not skipped, in the other pass.
+PEERS_JAX_TESTS = (
+    "test_keras_loss_scale_optimizer.py",
+    "test_keras_optimizer_sparse.py",
+    "test_keras_trainer.py",
+    "test_keras_backup_and_restore.py",
+    "test_keras_model_checkpoint.py",
+)
+
+
+def _test_files(folder):
+    return [name for name in os.listdir(os.path.join(os.path.dirname(__file__), folder))
+            if name.startswith("test_") and name.endswith(".py")]
+
+
 collect_ignore = (
-    [name for name in os.listdir(os.path.dirname(__file__))
-     if name.startswith("test_") and name.endswith(".py") and name not in JAX_TESTS]
+    [name for name in _test_files(".") if name not in JAX_TESTS]
+    + [f"peers/{name}" for name in _test_files("peers") if name not in PEERS_JAX_TESTS]
     if BACKEND == "jax" else ["test_jax.py"]
 )
 
@@ -116,7 +135,24 @@ def _is_slow(item):
     return file in SLOW or name in SLOW
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "backend(name): the test's original runs on that Keras backend only; "
+        "deselected in the other pass (tests/peers/)",
+    )
+
+
+def _other_backend(item):
+    marker = item.get_closest_marker("backend")
+    return marker is not None and marker.args[0] != BACKEND
+
+
 def pytest_collection_modifyitems(config, items):
+    deselected = [item for item in items if _other_backend(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not _other_backend(item)]
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)

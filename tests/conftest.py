@@ -126,6 +126,23 @@ SLOW = (
     "test_resume.py::test_the_chief_deletes_its_own_backups_never_a_worker_folder",
     "test_train_function.py::test_fit_gives_what_keras_gives_for_every_input_kind",
     "test_train_function.py::test_jit_compiled_steps_give_what_keras_gives",
+    # Keras' own tests (tests/peers/): the parametrized fit loops, each case a
+    # fresh model and trace; one case of each stays fast where a test of the
+    # same name covers the path (test_fit_flow, test_on_batch_methods).
+    "test_keras_trainer.py::test_fit_with_data_adapter",
+    "test_keras_trainer.py::test_fit_with_val_split",
+    "test_keras_trainer.py::test_fit_sparse",
+    "test_keras_trainer.py::test_evaluate_sparse",
+    "test_keras_trainer.py::test_predict_sparse",
+    "test_keras_trainer.py::test_steps_per_execution_steps_count",
+    "test_keras_trainer.py::test_steps_per_execution_unrolled_steps_steps_count",
+    "test_keras_trainer.py::test_steps_per_execution_steps_count_unknown_dataset_size",
+    "test_keras_trainer.py::test_steps_per_execution_steps_per_epoch",
+    "test_keras_trainer.py::test_steps_per_epoch",
+    "test_keras_trainer.py::test_steps_per_execution_steps_per_epoch_unknown_data_size",
+    "test_keras_trainer.py::test_loss_scaling_prevents_underflow",
+    "test_keras_trainer.py::test_predict_preserve_order",
+    "test_keras_trainer.py::test_predict_generator",
 )
 
 

@@ -127,8 +127,9 @@ SLOW = (
     "test_train_function.py::test_fit_gives_what_keras_gives_for_every_input_kind",
     "test_train_function.py::test_jit_compiled_steps_give_what_keras_gives",
     # Keras' own tests (tests/peers/): the parametrized fit loops, each case a
-    # fresh model and trace; one case of each stays fast where a test of the
-    # same name covers the path (test_fit_flow, test_on_batch_methods).
+    # fresh model and trace (test_fit_flow and test_on_batch_methods keep
+    # fit's and train_on_batch's three modes in the fast tier), and
+    # ModelCheckpoint's 15 cases, about 30 .keras files.
     "test_keras_trainer.py::test_fit_with_data_adapter",
     "test_keras_trainer.py::test_fit_with_val_split",
     "test_keras_trainer.py::test_fit_sparse",
@@ -143,6 +144,7 @@ SLOW = (
     "test_keras_trainer.py::test_loss_scaling_prevents_underflow",
     "test_keras_trainer.py::test_predict_preserve_order",
     "test_keras_trainer.py::test_predict_generator",
+    "test_keras_model_checkpoint.py::test_model_checkpoint_options",
 )
 
 

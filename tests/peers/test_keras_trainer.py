@@ -1023,9 +1023,11 @@ def test_for_eval_epoch_iterator():
     x, y = np.ones((16, 4)), np.zeros((16, 3))
     model.fit(x, y, batch_size=4, validation_data=(x, y))
     assert getattr(model, "_eval_epoch_iterator", None) is None
-    with pytest.raises(Exception):  # the original ignores what it raises
+    try:  # raises on TensorFlow, not on JAX; the original ignores either
         model.fit(x, y, batch_size=4,
                   validation_data=(x.reshape((-1, 16, 4)), y.reshape((-1, 16, 3))))
+    except Exception:
+        pass
     history = model.fit(x, y, batch_size=4, validation_data=(x, y)).history
     assert "val_loss" in history
     assert getattr(model, "_eval_epoch_iterator", None) is None
@@ -1333,9 +1335,12 @@ def test_callbacks_can_update_state_at_batch_boundary():
 # --- compute_loss ----------------------------------------------------------------
 
 def _is_symbolic(y_pred):
-    # Keras' symbolic build traces compute_loss with KerasTensors (where the
-    # original tests `in_symbolic_scope()`).
-    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(y_pred))
+    # Keras' symbolic build (fit's first step builds the metrics) runs
+    # compute_loss in its symbolic scope, with the default `training`; the
+    # original asks Keras the same way.
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
 
 
 def _compute_loss_model(expect_training, regularized, with_training_arg=True):

@@ -119,7 +119,9 @@ class TrainingTestingLayer(kmp.Model):
         return x * 0
 
 
-class TestPyDataset(keras.utils.PyDataset):
+class OnesPyDataset(keras.utils.PyDataset):
+    """The original's `TestPyDataset` (renamed: pytest would try to collect it)."""
+
     def __init__(self, infinite=False, **kwargs):
         super().__init__(**kwargs)
         self.infinite = infinite
@@ -138,7 +140,7 @@ def create_dataset(dataset_type, dataset_kwargs):
     if dataset_type == "native_array":
         return ops.ones((100, 4)), ops.zeros((100, 3))
     if dataset_type == "py_dataset":
-        return TestPyDataset(**dataset_kwargs), None
+        return OnesPyDataset(**dataset_kwargs), None
     if dataset_type == "tf_dataset":
         dataset = tf.data.Dataset.from_tensor_slices(
             (tf.ones((100, 4)), tf.zeros((100, 3)))

@@ -34,9 +34,29 @@ JAX_TESTS = (
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
 JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py")
+# Keras' own tests ported to kmp (tests/peers/, see its __init__.py): the files
+# whose originals run on every backend run in both passes; the TensorFlow pass
+# runs all of them (tf-keras' files, test_tfkeras_*.py, use TensorFlow itself).
+# A test of a backend-agnostic file that its original runs on one backend only
+# carries `@pytest.mark.backend("tensorflow")` (or "jax") and is deselected, not
+# skipped, in the other pass.
+PEERS_JAX_TESTS = (
+    "test_keras_loss_scale_optimizer.py",
+    "test_keras_optimizer_sparse.py",
+    "test_keras_trainer.py",
+    "test_keras_backup_and_restore.py",
+    "test_keras_model_checkpoint.py",
+)
+
+
+def _test_files(folder):
+    return [name for name in os.listdir(os.path.join(os.path.dirname(__file__), folder))
+            if name.startswith("test_") and name.endswith(".py")]
+
+
 collect_ignore = (
-    [name for name in os.listdir(os.path.dirname(__file__))
-     if name.startswith("test_") and name.endswith(".py") and name not in JAX_TESTS]
+    [name for name in _test_files(".") if name not in JAX_TESTS]
+    + [f"peers/{name}" for name in _test_files("peers") if name not in PEERS_JAX_TESTS]
     if BACKEND == "jax" else list(JAX_ONLY)
 )
 
@@ -113,6 +133,37 @@ SLOW = (
     "test_resume.py::test_the_chief_deletes_its_own_backups_never_a_worker_folder",
     "test_train_function.py::test_fit_gives_what_keras_gives_for_every_input_kind",
     "test_train_function.py::test_jit_compiled_steps_give_what_keras_gives",
+    # Keras' own tests (tests/peers/): the parametrized fit loops, each case a
+    # fresh model and trace (test_fit_flow and test_on_batch_methods keep
+    # fit's and train_on_batch's three modes in the fast tier), and
+    # ModelCheckpoint's 15 cases, about 30 .keras files.
+    "test_keras_trainer.py::test_fit_with_data_adapter",
+    "test_keras_trainer.py::test_fit_with_val_split",
+    "test_keras_trainer.py::test_fit_sparse",
+    "test_keras_trainer.py::test_evaluate_sparse",
+    "test_keras_trainer.py::test_predict_sparse",
+    "test_keras_trainer.py::test_steps_per_execution_steps_count",
+    "test_keras_trainer.py::test_steps_per_execution_unrolled_steps_steps_count",
+    "test_keras_trainer.py::test_steps_per_execution_steps_count_unknown_dataset_size",
+    "test_keras_trainer.py::test_steps_per_execution_steps_per_epoch",
+    "test_keras_trainer.py::test_steps_per_epoch",
+    "test_keras_trainer.py::test_steps_per_execution_steps_per_epoch_unknown_data_size",
+    "test_keras_trainer.py::test_loss_scaling_prevents_underflow",
+    "test_keras_trainer.py::test_predict_preserve_order",
+    "test_keras_trainer.py::test_predict_generator",
+    "test_keras_model_checkpoint.py::test_model_checkpoint_options",
+    # tf-keras' mixed-precision tests (tests/peers/test_tfkeras_*.py): the
+    # application models (up to 7 s each), the 22 save/load cases of
+    # test_model, the gradient-checking fits, and the 24 clipping cases.
+    "test_tfkeras_model.py::test_application_model",
+    "test_tfkeras_model.py::test_model",
+    "test_tfkeras_model.py::test_dynamic_loss_scaling",
+    "test_tfkeras_model.py::test_save_slot_variables_with_autocast_vars",
+    "test_tfkeras_model.py::test_save_model_with_dynamic_loss_scaling",
+    "test_tfkeras_model.py::test_advanced_model",
+    "test_tfkeras_loss_scale_optimizer.py::testClipping",
+    "test_tfkeras_loss_scale_optimizer.py::testCheckpoint",
+    "test_tfkeras_loss_scale_optimizer.py::testFixedLossScaleAppliedToLossWithMinimize",
 )
 
 
@@ -122,7 +173,24 @@ def _is_slow(item):
     return file in SLOW or name in SLOW
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "backend(name): the test's original runs on that Keras backend only; "
+        "deselected in the other pass (tests/peers/)",
+    )
+
+
+def _other_backend(item):
+    marker = item.get_closest_marker("backend")
+    return marker is not None and marker.args[0] != BACKEND
+
+
 def pytest_collection_modifyitems(config, items):
+    deselected = [item for item in items if _other_backend(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not _other_backend(item)]
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)

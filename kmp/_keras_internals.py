@@ -277,6 +277,19 @@ def overwrites_with_gradient(optimizer, variable):
     return optimizer._overwrite_variable_with_gradient(variable)
 
 
+def clip_gradients(optimizer, grads):
+    """`grads` clipped by `optimizer`'s `clipnorm`, `global_clipnorm` or
+    `clipvalue` (unchanged when none is set).
+
+    `Optimizer._clip_gradients` (Keras 3.0 on): the very rule the optimizer
+    applies in its own `apply` (TensorFlow's `IndexedSlices` included). Under
+    several replicas kmp applies it to the gradients summed over replicas,
+    where Keras would apply it to each replica's share (see
+    `kmp._replicas.clip_summed`).
+    """
+    return optimizer._clip_gradients(grads)
+
+
 def micro_steps(optimizer):
     """The variable counting `optimizer`'s calls to `apply`, micro-batches
     of an accumulated step included.

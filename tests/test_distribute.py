@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import traceback
 
 import keras
 import numpy as np
@@ -405,6 +406,67 @@ def test_one_gradient_all_reduce_per_step_like_keras(mirrored_strategy, monkeypa
     # adds no collective (nor switches Keras' off: issue 23).
     assert len(counts["kmp"]) == len(counts["keras"]) > 0
     assert set(counts["keras"]) == set(counts["kmp"]) == {2}
+
+
+@pytest.mark.parametrize("where", ["inner", "scaler"])
+@pytest.mark.parametrize("clip_type", ["clipnorm", "global_clipnorm", "clipvalue"])
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+def test_clipping(mirrored_strategy, monkeypatch, strategy_name, clip_type, where):
+    # tf-keras' testClipping (tf_keras/mixed_precision/loss_scale_optimizer_test.py)
+    # in Keras 3's API: the whole batch's unscaled gradient (4) is clipped,
+    # once, whatever the number of replicas (issue 30: two replicas stepped by
+    # each one's share, unclipped, and ended at -3).
+    strategy = mirrored_strategy if strategy_name == "mirrored" else tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    calls = []  # (whether kmp's clipping made it, how many tensors)
+    tf_all_reduce = tf.distribute.ReplicaContext.all_reduce
+
+    def counting_all_reduce(self, reduce_op, value, options=None):
+        # (AutoGraph renames a converted function `tf__<name>`.)
+        ours = any(frame.name.endswith("clip_summed") for frame in traceback.extract_stack())
+        calls.append((ours, len(tf.nest.flatten(value))))
+        return tf_all_reduce(self, reduce_op, value, options)
+
+    monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", counting_all_reduce)
+    with strategy.scope():
+        var = keras.Variable([5.0])
+        clip = {clip_type: 2.0}
+        optimizer = kmp.LossScaleOptimizer(
+            keras.optimizers.SGD(2.0, **(clip if where == "inner" else {})),
+            initial_scale=2, growth_interval=1, **(clip if where == "scaler" else {}),
+        )
+    assert getattr(optimizer, clip_type) == 2.0
+    assert optimizer.initial_scale % replicas == 0
+
+    def run(loss_fn):
+        def replica_step():
+            with tf.GradientTape() as tape:
+                loss = optimizer.scale_loss(loss_fn())
+            optimizer.apply(tape.gradient(loss, [var]), [var])
+        # A new trace per run: a traced step reads the clip when traced.
+        tf.function(lambda: strategy.run(replica_step))()
+
+    def local_values():
+        return [float(v.numpy()[0]) for v in strategy.experimental_local_results(var.value)]
+
+    run(lambda: var * 4 / replicas)
+    # 5 - 2.0 * clip(4 -> 2): every replica's copy.
+    assert local_values() == [1.0] * replicas
+    assert float(optimizer.loss_scale) == 4.0
+    # The cost: beside each all-reduce of the gradients the inner optimizer
+    # makes, kmp's clipping makes one, only with several replicas.
+    ours = [size for by_kmp, size in calls if by_kmp]
+    keras_own = [size for by_kmp, size in calls if not by_kmp]
+    assert keras_own and ours == (keras_own if replicas > 1 else [])
+    setattr(optimizer, clip_type, 3.0)
+    run(lambda: var * 4 / replicas)
+    assert local_values() == [-5.0] * replicas  # 1 - 2.0 * clip(4 -> 3)
+    assert float(optimizer.loss_scale) == 8.0
+    # Inf gradients are skipped, not clipped, on every replica.
+    run(lambda: var * float("inf"))
+    assert local_values() == [-5.0] * replicas
+    assert float(optimizer.loss_scale) == 4.0
+    assert int(optimizer.skipped_steps) == 1 and int(optimizer.iterations.numpy()) == 2
 
 
 def test_distributed_benchmark_runs(tmp_path):

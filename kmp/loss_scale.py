@@ -587,7 +587,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     all-reduce of the gradients (only then; variables Keras overwrites with
     their "gradient" are left out, as Keras leaves them out of clipping).
     With gradient accumulation the inner optimizer clips each replica's
-    accumulated window (Keras' order). With `min_scale < 1` the gradients are unscaled before the check
+    accumulated window (Keras' order: no micro-batch holds the window's sum).
+    With `min_scale < 1` the gradients are unscaled before the check
     (dividing by less than 1 can overflow); otherwise in the branch that
     applies, as in Keras' scaler.
 
@@ -670,9 +671,10 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     def apply_unscaled(grads, variables):
         if divide_later:
             grads = _unscale(optimizer, grads, variables)
-        if clip_summed:
+        grads = _replicas.summable(grads)  # before clipping: Keras' global
+        if clip_summed:                     # norm refuses mixed dtypes
             grads = _clip_summed(inner, grads, variables)
-        inner.apply(_replicas.summable(grads), variables)
+        inner.apply(grads, variables)
 
     def skip():
         if window:  # only reached on a window's last micro-batch: back to its start
@@ -1119,6 +1121,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # The name Keras' LossScaleOptimizer gives its scale variable.
     dynamic_scale = property(lambda self: self._kmp_scale)
 
+    # The inner optimizer's, read and written there (`_clipping_accessors`).
     clipnorm = property(*_clipping_accessors("clipnorm"))
     global_clipnorm = property(*_clipping_accessors("global_clipnorm"))
     clipvalue = property(*_clipping_accessors("clipvalue"))

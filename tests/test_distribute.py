@@ -469,6 +469,40 @@ def test_clipping(mirrored_strategy, monkeypatch, strategy_name, clip_type, wher
     assert int(optimizer.skipped_steps) == 1 and int(optimizer.iterations.numpy()) == 2
 
 
+@pytest.mark.parametrize("clip_type", ["clipnorm", "global_clipnorm"])
+def test_whole_batch_clipping_takes_sparse_and_mixed_dtype_gradients(mirrored_strategy, clip_type):
+    # An embedding's sparse gradient beside a float16 layer's and float32
+    # ones, clipped as a whole batch. clipnorm: two replicas step as one
+    # device does. global_clipnorm: Keras' global norm refuses mixed dtypes
+    # (on one device too: no reference there); kmp hands it the replicas'
+    # sum in float32, and the step runs.
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 10, size=(32, 3))
+    y = rng.normal(size=(32, 1)).astype("float32") * 10.0
+
+    def train(scope, dtype):
+        with scope:
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((3,), dtype="int32")
+            hidden = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
+            hidden = keras.layers.Dense(4, dtype=dtype)(hidden)
+            outputs = keras.layers.Dense(1)(keras.layers.Activation("linear", dtype="float32")(hidden))
+            model = kmp.Model(inputs, outputs)
+            model.compile(kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0,
+                                                 **{clip_type: 0.5}), "mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    ours = train(mirrored_strategy.scope(), "float16")
+    assert int(ours.optimizer.iterations.numpy()) == 2
+    assert all(np.all(np.isfinite(w.astype("float32"))) for w in ours.get_weights())
+    if clip_type == "global_clipnorm":
+        return
+    one_device = train(tf.distribute.OneDeviceStrategy("/cpu:0").scope(), "float16")
+    for a, b in zip(ours.get_weights(), one_device.get_weights()):
+        np.testing.assert_allclose(a.astype("float32"), b.astype("float32"), rtol=2e-3, atol=2e-3)
+
+
 def test_distributed_benchmark_runs(tmp_path):
     # How fast is not tested here (see README "Scaling out"), only that the
     # benchmark runs and compares the two loss scalers it names.

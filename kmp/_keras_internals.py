@@ -37,6 +37,7 @@ uses it says more):
 | `Optimizer._overwrite_variable_with_gradient` | `overwrites_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
 | `Optimizer._iterations` | `micro_steps` | `loss_scale.py` | the micro-step count (`iterations` counts windows): a window's last micro-batch, and its start when a window is discarded |
 | `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `loss_scale.py` | discard a window with an overflow |
+| `Optimizer._clip_gradients` | `clip_gradients` | `loss_scale.py` | under several replicas, clip the gradients summed over replicas with the inner optimizer's own rule (Keras clips each replica's share) |
 | `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `_replicas.py`, `_train_step.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
 | `tf.compat.v1.get_default_graph` | `default_graph` | `loss_scale.py` | whether a recorded loss belongs to the graph being traced |
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `_jax.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
@@ -275,6 +276,19 @@ def overwrites_with_gradient(optimizer, variable):
     scaled gradient; kmp leaves it undivided, as Keras' own scaler does.
     """
     return optimizer._overwrite_variable_with_gradient(variable)
+
+
+def clip_gradients(optimizer, grads):
+    """`grads` clipped by `optimizer`'s `clipnorm`, `global_clipnorm` or
+    `clipvalue` (unchanged when none is set).
+
+    `Optimizer._clip_gradients` (Keras 3.0 on): the very rule the optimizer
+    applies in its own `apply` (TensorFlow's `IndexedSlices` included). Under
+    several replicas kmp applies it to the gradients summed over replicas,
+    where Keras would apply it to each replica's share (see
+    `kmp._replicas.clip_summed`).
+    """
+    return optimizer._clip_gradients(grads)
 
 
 def micro_steps(optimizer):

@@ -17,7 +17,10 @@ Each replica checks its own gradients, and the replicas agree on the flags
 alone (`agree`): read from every local replica in the cross-replica context
 on one machine (as Keras' own scaler does), summed in one small collective
 across workers or without `merge_call`. The gradients themselves are summed
-by the inner Keras optimizer, as it does without kmp.
+by the inner Keras optimizer, as it does without kmp; where it clips
+(`clipnorm`, `global_clipnorm`, `clipvalue`) and there are several
+replicas, `clip_summed` first sums them once more, so that the clip applies
+to the whole batch's gradient, as on one replica.
 
 kmp's own variables use `aggregation="none"`, like Keras' scaler: every
 replica computes the same values and writes its own copy, so no assignment
@@ -141,6 +144,35 @@ def all_reduce_sum(tensors):
         for i, value in zip(indices, summed):
             reduced[i] = value
     return reduced
+
+
+def clip_summed(grads, clip):
+    """Each replica's share of `clip(grads summed over replicas)`.
+
+    Keras' optimizer clips each replica's gradients, then sums them over
+    replicas: with two replicas a whole-batch gradient of 4 clipped at 2
+    would step by 4. Here the replicas' gradients are summed first (one
+    `all_reduce_sum`), the sum is clipped once with `clip`, and each replica
+    gets `clipped / num_replicas`: what the inner optimizer then sums is the
+    clipped whole-batch gradient, and its own per-replica clip leaves each
+    share as it is (a share's norm and values are within the limit).
+
+    Args:
+        grads: List of this replica's gradients (no `None`).
+        clip: Callable taking and returning a list of gradients: the inner
+            optimizer's clipping rule.
+
+    Returns:
+        A list of gradients in the same order. With one replica, `grads`
+        unchanged (the inner optimizer clips them as they are).
+    """
+    replicas = num_replicas()
+    if replicas == 1:
+        return grads
+    clipped = clip(all_reduce_sum(grads))
+    return [
+        _gradients.map_gradient(lambda t: t / ops.cast(replicas, t.dtype), g) for g in clipped
+    ]
 
 
 def summable(grads):

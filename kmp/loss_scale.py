@@ -3,12 +3,16 @@
 One order of operations, written once (`_step`):
 
     scale loss -> gradients -> finite check (each replica its own; the
-    replicas agree on the flags) -> apply: unscale, then the inner optimizer
-    clips, sums over replicas and updates; or skip -> update the scale
+    replicas agree on the flags) -> apply: unscale, clip the whole batch's
+    unscaled gradient, then the inner optimizer sums over replicas and
+    updates; or skip -> update the scale
 
 The rule is one pure function, `update_loss_scale`; the optimizer keeps its
 state and runs the step. Clipping is the inner optimizer's own: `clipnorm`,
-`global_clipnorm` and `clipvalue` given to the scaler are set on it.
+`global_clipnorm` and `clipvalue` of the scaler are the inner optimizer's
+attributes (read and written there). Under a `tf.distribute` strategy with
+several replicas, Keras' optimizer would clip each replica's share before it
+sums them; kmp clips the sum instead, as on one replica (see `_step`).
 
 The contract between a train step and its scaler lives on the optimizer, in
 `_StepRecord` (one per replica thread: MirroredStrategy traces each replica
@@ -438,6 +442,50 @@ def _forward_clipping(inner_optimizer, clipping):
         setattr(inner_optimizer, arg, value)
 
 
+def _set_clipping(inner_optimizer, name, value):
+    """Sets `inner_optimizer.<name> = value`, one of `_CLIPPING`.
+
+    Raises `ValueError` (and sets nothing) for a value that is not a finite
+    number > 0 or `None`, or where the inner optimizer has another of the
+    three set (Keras' rule: at most one).
+    """
+    _check_number(name, value, allow_none=True)
+    others = {other: getattr(inner_optimizer, other, None) for other in _CLIPPING if other != name}
+    others = {other: v for other, v in others.items() if v is not None}
+    if value is not None and others:
+        (other, other_value), = others.items()
+        raise ValueError(
+            "At most one of `clipnorm`, `global_clipnorm` and `clipvalue` can be set (the "
+            f"inner Keras optimizer clips, and takes one): set `{other} = None` first. "
+            f"Received: {name}={value!r}, with {other}={other_value!r} set"
+        )
+    setattr(inner_optimizer, name, value)
+
+
+def _clipping_accessors(name):
+    """Getter and setter of the scaler's `name`: the inner optimizer's own,
+    one source of truth (a value set after construction clips the next
+    traced step, as on a plain Keras optimizer)."""
+
+    def get(self):
+        inner = vars(self).get("inner_optimizer")
+        return None if inner is None else getattr(inner, name, None)
+
+    def set_(self, value):
+        inner = vars(self).get("inner_optimizer")
+        if inner is None:
+            # Keras' base constructor sets `None` before the inner optimizer
+            # exists; the scaler's own are forwarded by `_forward_clipping`.
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` can be set once the inner optimizer is. Received: {name}={value!r}"
+                )
+            return
+        _set_clipping(inner, name, value)
+
+    return get, set_
+
+
 def _growth_interval(growth_interval, dynamic_growth_steps):
     """`growth_interval`, or Keras' `dynamic_growth_steps` where given."""
     if dynamic_growth_steps is None:
@@ -516,7 +564,11 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     else:
         bad = 0                  # mid-window: the inner optimizer accumulates
     if bad == 0:
-        inner_optimizer.apply(unscale(grads))  # clips, sums over replicas, updates
+        grads = unscale(grads)
+        if clipping and replicas > 1 and not accumulating:
+            total = all_reduce_sum(grads)      # one more collective
+            grads = inner_optimizer.clip(total) / replicas
+        inner_optimizer.apply(grads)  # clips (a share: no-op), sums, updates
     # else: nothing is applied (a window's accumulators are dropped)
     if not accumulating or the window's last micro-batch:
         state = update_loss_scale(state, bad == 0)
@@ -527,7 +579,17 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     them (no collective), or summed in one small collective across workers
     and without `merge_call`. The inner optimizer sums the gradients over
     replicas itself, as it does without kmp, so nothing of Keras' is switched
-    off. With `min_scale < 1` the gradients are unscaled before the check
+    off. Keras' optimizer clips before it sums, that is each replica's share;
+    where it clips and there are several replicas, kmp sums the unscaled
+    gradients once more, clips that sum with the inner optimizer's own rule
+    and hands each replica `clipped / replicas`, which the inner optimizer's
+    clip leaves as it is and its sum turns back into the clipped whole-batch
+    gradient: the step clips as on one replica, at the cost of one more
+    all-reduce of the gradients (only then; variables Keras overwrites with
+    their "gradient" are left out, as Keras leaves them out of clipping).
+    With gradient accumulation the inner optimizer clips each replica's
+    accumulated window (Keras' order: no micro-batch holds the window's sum).
+    With `min_scale < 1` the gradients are unscaled before the check
     (dividing by less than 1 can overflow); otherwise in the branch that
     applies, as in Keras' scaler.
 
@@ -603,10 +665,17 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
             ops.logical_and(retries_left > 0, optimizer._kmp_scale.value > optimizer.min_scale),
         ))
 
+    # Accumulating, the inner optimizer clips the window's sum, which no
+    # single micro-batch holds.
+    clip_summed = not window and _clips(inner)
+
     def apply_unscaled(grads, variables):
         if divide_later:
             grads = _unscale(optimizer, grads, variables)
-        inner.apply(_replicas.summable(grads), variables)
+        grads = _replicas.summable(grads)  # before clipping: Keras' global
+        if clip_summed:                     # norm refuses mixed dtypes
+            grads = _clip_summed(inner, grads, variables)
+        inner.apply(grads, variables)
 
     def skip():
         if window:  # only reached on a window's last micro-batch: back to its start
@@ -638,6 +707,26 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
 
     ops.cond(boundary, end_window, lambda: None)
     return decision.finite, decision.retry
+
+
+def _clips(optimizer):
+    """Whether `optimizer` clips (Keras' test: a limit set and > 0)."""
+    return any((getattr(optimizer, name, None) or 0) > 0 for name in _CLIPPING)
+
+
+def _clip_summed(inner, grads, variables):
+    """`grads` whose sum over replicas is the clipped sum (see
+    `kmp._replicas.clip_summed`); variables Keras overwrites with their
+    "gradient" are left as they are, as Keras leaves them out of clipping."""
+    clipped = [i for i, v in enumerate(variables)
+               if not _keras_internals.overwrites_with_gradient(inner, v)]
+    shares = _replicas.clip_summed(
+        [grads[i] for i in clipped], lambda total: _keras_internals.clip_gradients(inner, total)
+    )
+    grads = list(grads)
+    for i, share in zip(clipped, shares):
+        grads[i] = share
+    return grads
 
 
 def _update_state(optimizer, decision):
@@ -764,22 +853,31 @@ def _stateless_divide(optimizer, grads, variables, scale):
 def _jax_apply(optimizer, grads, trainable_variables, divide):
     """`LossScaleOptimizer.apply` on JAX: the pure step, then assigned.
 
+    The step runs over every variable the optimizer was built with; those
+    not among `trainable_variables` (or whose gradient was `None`, filtered
+    out before) get a `None` gradient, which the inner optimizer leaves
+    alone, as Keras' `apply` leaves them.
+
     Returns:
         Boolean scalar: whether the step was applied.
     """
     built = _keras_internals.built_variables(optimizer)
-    if [id(v) for v in trainable_variables] != [id(v) for v in built]:
+    positions = {id(v): i for i, v in enumerate(built)}
+    unknown = [v for v in trainable_variables if id(v) not in positions]
+    if unknown:
         raise ValueError(
-            "On the JAX backend kmp.LossScaleOptimizer.apply takes the variables it "
-            "was built with, in the same order (it runs one pure step over all of them). "
-            f"Received: {len(trainable_variables)} variables; built with {len(built)}"
+            "kmp.LossScaleOptimizer.apply takes only variables it was built with. "
+            f"Received: {len(unknown)} other variable(s), the first "
+            f"{getattr(unknown[0], 'path', unknown[0])!r}; built with {len(built)}"
         )
+    all_grads = [None] * len(built)
+    for grad, variable in zip(grads, trainable_variables):
+        all_grads[positions[id(variable)]] = grad
     new_trainable, new_values, finite = _stateless_step(
-        optimizer, _values(optimizer.variables), grads, _values(trainable_variables),
-        divide=divide,
+        optimizer, _values(optimizer.variables), all_grads, _values(built), divide=divide,
     )
-    for variable, value in zip(trainable_variables, new_trainable):
-        variable.assign(value)
+    for variable in trainable_variables:
+        variable.assign(new_trainable[positions[id(variable)]])
     for variable, value in zip(optimizer.variables, new_values):
         variable.assign(value)
     return finite
@@ -821,6 +919,12 @@ def _take_record(optimizer):
     return not divided and (scaled or not record.in_model_step), loss
 
 
+def _as_values(values):
+    """`values` with each `keras.Variable` replaced by its value: a pure step
+    takes arrays, and Keras' optimizers take `optimizer.variables` as well."""
+    return [v.value if isinstance(v, keras.Variable) else v for v in values]
+
+
 def _stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
     """`LossScaleOptimizer.stateless_apply` (see `_stateless_step`)."""
     if not optimizer.built:
@@ -828,6 +932,8 @@ def _stateless_apply(optimizer, optimizer_variables, grads, trainable_variables)
             f"To call `stateless_apply`, {type(optimizer).__name__} must be built: "
             "call `optimizer.build(trainable_variables)` first."
         )
+    optimizer_variables = _as_values(optimizer_variables)
+    trainable_variables = _as_values(trainable_variables)
     if not optimizer.enabled:
         return _stateless_pass_through(optimizer, optimizer_variables, grads, trainable_variables)
     divide, _ = _take_record(optimizer)
@@ -861,8 +967,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     finite = all(isfinite(g) for g in grads) # on every replica, agreed in
                                              # one small collective
     if finite:
-        inner_optimizer.apply(grads / loss_scale)  # clips, updates weights,
-                                                   # slots and iterations
+        grads = grads / loss_scale
+        if clipping and replicas > 1:        # tf.distribute, several replicas
+            grads = clip(all_reduce_sum(grads)) / replicas  # one collective more
+        inner_optimizer.apply(grads)         # clips, sums over replicas,
+                                             # updates weights, slots, iterations
     # else: weights, slots and iterations are left exactly as they were
     state = update_loss_scale(state, finite) # see `update_loss_scale`
     ```
@@ -896,7 +1005,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         max_scale: Float in (0, float32 max]. Defaults to `2.0**24`.
         clipnorm, global_clipnorm, clipvalue: Optional float > 0, at most one.
             Set on the inner optimizer, which clips the unscaled gradients
-            (Keras' own scaler asks for them there). Defaults to `None`.
+            (Keras' own scaler asks for them there); the scaler's attributes
+            of these names read and write the inner optimizer's. Under a
+            strategy with several replicas the whole batch's gradient is
+            clipped, as on one replica. Defaults to `None`.
         enabled: Bool. `False`: `scale_loss` returns the loss unchanged and
             `apply` hands the gradients to the inner optimizer as they are;
             the variables still exist. Defaults to `True`.
@@ -944,7 +1056,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
         self.min_scale, self.max_scale = float(min_scale), float(max_scale)
-        self.clipnorm, self.global_clipnorm, self.clipvalue = clipnorm, global_clipnorm, clipvalue
         # Set while a kmp.callbacks.LossScaleMonitor watches training: only
         # then does a traced step record which variables overflowed.
         self._monitored = False
@@ -1010,6 +1121,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     _forward_overflows = property(lambda self: self.counters["forward_overflows"])
     # The name Keras' LossScaleOptimizer gives its scale variable.
     dynamic_scale = property(lambda self: self._kmp_scale)
+
+    # The inner optimizer's, read and written there (`_clipping_accessors`).
+    clipnorm = property(*_clipping_accessors("clipnorm"))
+    global_clipnorm = property(*_clipping_accessors("global_clipnorm"))
+    clipvalue = property(*_clipping_accessors("clipvalue"))
 
     @property
     def iterations(self):

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import traceback
 
 import keras
 import numpy as np
@@ -405,6 +406,101 @@ def test_one_gradient_all_reduce_per_step_like_keras(mirrored_strategy, monkeypa
     # adds no collective (nor switches Keras' off: issue 23).
     assert len(counts["kmp"]) == len(counts["keras"]) > 0
     assert set(counts["keras"]) == set(counts["kmp"]) == {2}
+
+
+@pytest.mark.parametrize("where", ["inner", "scaler"])
+@pytest.mark.parametrize("clip_type", ["clipnorm", "global_clipnorm", "clipvalue"])
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+def test_clipping(mirrored_strategy, monkeypatch, strategy_name, clip_type, where):
+    # tf-keras' testClipping (tf_keras/mixed_precision/loss_scale_optimizer_test.py)
+    # in Keras 3's API: the whole batch's unscaled gradient (4) is clipped,
+    # once, whatever the number of replicas (issue 30: two replicas stepped by
+    # each one's share, unclipped, and ended at -3).
+    strategy = mirrored_strategy if strategy_name == "mirrored" else tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    calls = []  # (whether kmp's clipping made it, how many tensors)
+    tf_all_reduce = tf.distribute.ReplicaContext.all_reduce
+
+    def counting_all_reduce(self, reduce_op, value, options=None):
+        # (AutoGraph renames a converted function `tf__<name>`.)
+        ours = any(frame.name.endswith("clip_summed") for frame in traceback.extract_stack())
+        calls.append((ours, len(tf.nest.flatten(value))))
+        return tf_all_reduce(self, reduce_op, value, options)
+
+    monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", counting_all_reduce)
+    with strategy.scope():
+        var = keras.Variable([5.0])
+        clip = {clip_type: 2.0}
+        optimizer = kmp.LossScaleOptimizer(
+            keras.optimizers.SGD(2.0, **(clip if where == "inner" else {})),
+            initial_scale=2, growth_interval=1, **(clip if where == "scaler" else {}),
+        )
+    assert getattr(optimizer, clip_type) == 2.0
+    assert optimizer.initial_scale % replicas == 0
+
+    def run(loss_fn):
+        def replica_step():
+            with tf.GradientTape() as tape:
+                loss = optimizer.scale_loss(loss_fn())
+            optimizer.apply(tape.gradient(loss, [var]), [var])
+        # A new trace per run: a traced step reads the clip when traced.
+        tf.function(lambda: strategy.run(replica_step))()
+
+    def local_values():
+        return [float(v.numpy()[0]) for v in strategy.experimental_local_results(var.value)]
+
+    run(lambda: var * 4 / replicas)
+    # 5 - 2.0 * clip(4 -> 2): every replica's copy.
+    assert local_values() == [1.0] * replicas
+    assert float(optimizer.loss_scale) == 4.0
+    # The cost: beside each all-reduce of the gradients the inner optimizer
+    # makes, kmp's clipping makes one, only with several replicas.
+    ours = [size for by_kmp, size in calls if by_kmp]
+    keras_own = [size for by_kmp, size in calls if not by_kmp]
+    assert keras_own and ours == (keras_own if replicas > 1 else [])
+    setattr(optimizer, clip_type, 3.0)
+    run(lambda: var * 4 / replicas)
+    assert local_values() == [-5.0] * replicas  # 1 - 2.0 * clip(4 -> 3)
+    assert float(optimizer.loss_scale) == 8.0
+    # Inf gradients are skipped, not clipped, on every replica.
+    run(lambda: var * float("inf"))
+    assert local_values() == [-5.0] * replicas
+    assert float(optimizer.loss_scale) == 4.0
+    assert int(optimizer.skipped_steps) == 1 and int(optimizer.iterations.numpy()) == 2
+
+
+@pytest.mark.parametrize("clip_type", ["clipnorm", "global_clipnorm"])
+def test_whole_batch_clipping_takes_sparse_and_mixed_dtype_gradients(mirrored_strategy, clip_type):
+    # An embedding's sparse gradient beside a float16 layer's and float32
+    # ones, clipped as a whole batch. clipnorm: two replicas step as one
+    # device does. global_clipnorm: Keras' global norm refuses mixed dtypes
+    # (on one device too: no reference there); kmp hands it the replicas'
+    # sum in float32, and the step runs.
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 10, size=(32, 3))
+    y = rng.normal(size=(32, 1)).astype("float32") * 10.0
+
+    def train(scope, dtype):
+        with scope:
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((3,), dtype="int32")
+            hidden = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
+            hidden = keras.layers.Dense(4, dtype=dtype)(hidden)
+            outputs = keras.layers.Dense(1)(keras.layers.Activation("linear", dtype="float32")(hidden))
+            model = kmp.Model(inputs, outputs)
+            model.compile(kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0,
+                                                 **{clip_type: 0.5}), "mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    ours = train(mirrored_strategy.scope(), "float16")
+    assert int(ours.optimizer.iterations.numpy()) == 2
+    assert all(np.all(np.isfinite(w.astype("float32"))) for w in ours.get_weights())
+    if clip_type == "global_clipnorm":
+        return
+    one_device = train(tf.distribute.OneDeviceStrategy("/cpu:0").scope(), "float16")
+    for a, b in zip(ours.get_weights(), one_device.get_weights()):
+        np.testing.assert_allclose(a.astype("float32"), b.astype("float32"), rtol=2e-3, atol=2e-3)
 
 
 def test_distributed_benchmark_runs(tmp_path):

@@ -442,6 +442,149 @@ def test_eager_apply_skips_and_counts_like_the_traced_step():
     assert int(optimizer.iterations) == 1
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("clip_type", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_clipping_set_after_construction_clips_the_next_step_on_jax(clip_type, traced):
+    # tf-keras' testClipping, on JAX: the scaler's clipping attributes are the
+    # inner optimizer's, so a clip set later clips the next step (issue 30).
+    var = keras.Variable(np.array([5.0], "float32"))
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(2.0), initial_scale=2.0,
+                                       growth_interval=1, **{clip_type: 2.0})
+    optimizer.build([var])
+
+    def step(factor):
+        if not traced:
+            grads = jax.grad(lambda w: optimizer.scale_loss(ops.sum(w * factor)))(var.value)
+            optimizer.apply([grads], [var])
+            return
+
+        def pure_step(values, weights):
+            grads = jax.grad(lambda w: optimizer.stateless_scale_loss(
+                values, ops.sum(w[0] * factor)))(weights)
+            return optimizer.stateless_apply(values, grads, weights)
+
+        # A new trace per step: a traced step reads the clip when traced.
+        weights, values = jax.jit(pure_step)([v.value for v in optimizer.variables], [var.value])
+        var.assign(weights[0])
+        for variable, value in zip(optimizer.variables, values):
+            variable.assign(value)
+
+    step(4.0)
+    assert np.asarray(var.value).tolist() == [1.0]  # 5 - 2.0 * clip(4 -> 2)
+    assert float(optimizer.loss_scale) == 4.0
+    setattr(optimizer, clip_type, 3.0)
+    assert getattr(optimizer.inner_optimizer, clip_type) == 3.0
+    step(4.0)
+    assert np.asarray(var.value).tolist() == [-5.0]  # 1 - 2.0 * clip(4 -> 3)
+    assert float(optimizer.loss_scale) == 8.0
+    step(np.inf)  # skipped, not clipped
+    assert np.asarray(var.value).tolist() == [-5.0]
+    assert float(optimizer.loss_scale) == 4.0
+    other = next(name for name in ("clipnorm", "global_clipnorm") if name != clip_type)
+    with pytest.raises(ValueError, match=rf"Received: {other}=1.0, with {clip_type}=3.0"):
+        setattr(optimizer, other, 1.0)
+    assert getattr(optimizer.inner_optimizer, other) is None
+
+
+def _three_variables():
+    return [keras.Variable(np.array(v, "float32")) for v in ([1.0, 2.0], [3.0], [4.0, 5.0])]
+
+
+# Scaled gradients of three steps; `None` leaves a variable alone.
+_STEPS_WITH_NONE = (
+    ([8.0, 16.0], None, [8.0, 8.0]),
+    ([8.0, 8.0], [4.0], None),
+    ([np.inf, 0.0], None, [1.0, 1.0]),
+)
+
+
+def _gradients_of(step):
+    return [None if g is None else np.array(g, "float32") for g in step]
+
+
+def _keras_scaler_reference():
+    """Keras' own scaler around the same SGD, stepped with `stateless_apply`
+    (its `apply` on JAX raises an UnexpectedTracerError in Keras 3.15)."""
+    variables = _three_variables()
+    keras_scaler = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5, momentum=0.9), initial_scale=8.0)
+    keras_scaler.build(variables)
+    weights = [v.value for v in variables]
+    values = [v.value for v in keras_scaler.variables]
+    for step in _STEPS_WITH_NONE:
+        weights, values = keras_scaler.stateless_apply(values, _gradients_of(step), weights)
+    slots = [np.asarray(value) for variable, value in zip(keras_scaler.variables, values)
+             if any(variable is v for v in keras_scaler.inner_optimizer.variables)]
+    scale = np.asarray(values[[v.name for v in keras_scaler.variables].index("dynamic_scale")])
+    return [np.asarray(w) for w in weights], slots, float(scale)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["apply", "jit-stateless"])
+def test_a_none_gradient_leaves_its_variable_alone_like_keras_scaler_on_jax(traced):
+    # Keras' `apply` drops a variable whose gradient is None; kmp's `apply`
+    # refused it ("built with 3 variables, received 2", issue 30).
+    expected_weights, expected_slots, expected_scale = _keras_scaler_reference()
+    variables = _three_variables()
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5, momentum=0.9),
+                                       initial_scale=8.0)
+    optimizer.build(variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scaled by hand; Keras' "Gradients do not exist"
+        for step in _STEPS_WITH_NONE:
+            if not traced:
+                optimizer.apply(_gradients_of(step), variables)
+                continue
+            weights, values = jax.jit(optimizer.stateless_apply)(
+                [v.value for v in optimizer.variables], _gradients_of(step),
+                [v.value for v in variables])
+            for variable, value in zip(variables + optimizer.variables, weights + values):
+                variable.assign(value)
+    for variable, expected in zip(variables, expected_weights):
+        np.testing.assert_array_equal(np.asarray(variable.value), expected)
+    for slot, expected in zip(optimizer.inner_optimizer.variables, expected_slots):
+        np.testing.assert_array_equal(np.asarray(slot.value), expected)
+    assert float(optimizer.loss_scale) == expected_scale == 4.0
+    assert np.asarray(variables[1].value).tolist() == [3.0 - 0.5 * 0.5]  # moved once
+    assert int(optimizer.skipped_steps) == 1 and int(optimizer.iterations) == 2
+    # A subset of the variables, as Keras' `apply` takes it.
+    optimizer.apply([np.array([8.0], "float32")], [variables[1]])
+    assert int(optimizer.iterations) == 3
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "bcoo"])
+def test_stateless_apply_takes_variables_as_keras_optimizers_do(sparse):
+    # Keras' sparse-optimizer test passes `optimizer.variables` (Variables)
+    # to `stateless_apply`; kmp raised "Triggering __jax_array__() during
+    # abstractification is no longer supported" (issue 30).
+    from jax.experimental import sparse as jax_sparse
+
+    def gradient(step):
+        grad = jax_sparse.BCOO((np.full((3, 3, 2), 10.0 - step, "float32"),
+                                np.array([[0], [2], [4]])), shape=(5, 3, 2))
+        return grad if sparse else grad.todense()
+
+    def run(make_optimizer, as_variables):
+        model_variable = keras.Variable(np.ones((5, 3, 2), "float32"))
+        optimizer = make_optimizer(keras.optimizers.SGD(learning_rate=0.5))
+        optimizer.build([model_variable])
+        values = optimizer.variables  # Variables, as Keras' test passes them
+        weights = [model_variable] if as_variables else [model_variable.value]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # gradients scaled by hand
+            for step in range(3):
+                weights, values = optimizer.stateless_apply(values, [gradient(step)], weights)
+        return np.asarray(weights[0]), [np.asarray(v) for v in values]
+
+    # Keras' scaler takes Variables for `optimizer_variables` only.
+    expected, expected_values = run(keras.optimizers.LossScaleOptimizer, as_variables=False)
+    for as_variables in (False, True):
+        weights, _ = run(kmp.LossScaleOptimizer, as_variables)
+        np.testing.assert_array_equal(weights, expected)
+    rows = np.full((5, 3, 2), 1.0)
+    rows[[0, 2, 4]] -= 0.5 * (10.0 + 9.0 + 8.0) / 2.0**15  # float64
+    np.testing.assert_allclose(weights, rows, rtol=1e-6)
+
+
 # -- logs, TensorBoard, CSV and the monitor ----------------------------------------
 
 

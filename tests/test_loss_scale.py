@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import hypothesis
 import keras
@@ -221,6 +222,94 @@ def test_conflicting_clipping_is_refused_naming_both(scaler, inner):
     # The same clipping on both is one clipping.
     same = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0, clipnorm=0.5), clipnorm=0.5)
     assert same.inner_optimizer.clipnorm == 0.5
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("clip_type", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_clipping_set_after_construction_clips_the_next_step(clip_type, traced):
+    # tf-keras' testClipping (mixed_precision/loss_scale_optimizer_test.py):
+    # `setattr(opt, clip_type, 3.0)` changes the clip of the next step. The
+    # scaler's three attributes are the inner optimizer's (issue 30).
+    var = keras.Variable([5.0])
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(2.0), initial_scale=2.0,
+                                       growth_interval=1, **{clip_type: 2.0})
+
+    def step(loss_fn):
+        def run():
+            with tf.GradientTape() as tape:
+                loss = optimizer.scale_loss(loss_fn())
+            optimizer.apply(tape.gradient(loss, [var]), [var])
+        # A traced step reads the clip when it is traced, as Keras' own
+        # optimizers do: each run traces its own function.
+        (tf.function(run) if traced else run)()
+
+    step(lambda: var * 4.0)
+    assert var.numpy().tolist() == [1.0]  # 5 - 2.0 * clip(4 -> 2)
+    assert float(optimizer.loss_scale) == 4.0
+    setattr(optimizer, clip_type, 3.0)
+    assert getattr(optimizer, clip_type) == getattr(optimizer.inner_optimizer, clip_type) == 3.0
+    assert optimizer.get_config()[clip_type] == 3.0
+    step(lambda: var * 4.0)
+    assert var.numpy().tolist() == [-5.0]  # 1 - 2.0 * clip(4 -> 3)
+    assert float(optimizer.loss_scale) == 8.0
+    step(lambda: var * float("inf"))  # skipped, not clipped
+    assert var.numpy().tolist() == [-5.0]
+    assert float(optimizer.loss_scale) == 4.0
+    # Set on the inner optimizer, read on the scaler; `None` turns it off.
+    setattr(optimizer.inner_optimizer, clip_type, 1.0)
+    assert getattr(optimizer, clip_type) == 1.0
+    setattr(optimizer, clip_type, None)
+    assert getattr(optimizer.inner_optimizer, clip_type) is None
+    step(lambda: var * 4.0)
+    assert var.numpy().tolist() == [-13.0]  # unclipped: -5 - 2.0 * 4
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("clipnorm", 0.0, r"`clipnorm` must be a finite number > 0 or None. Received: clipnorm=0.0"),
+        ("clipvalue", -1.0, r"Received: clipvalue=-1.0"),
+        ("global_clipnorm", float("nan"), r"Received: global_clipnorm=nan"),
+        ("clipnorm", "2", r"Received: clipnorm='2'"),
+        ("clipnorm", 3.0,
+         r"set `global_clipnorm = None` first. Received: clipnorm=3.0, with global_clipnorm=2.0"),
+    ],
+)
+def test_setting_clipping_follows_the_constructor_rules_and_changes_nothing(name, value, message):
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0), global_clipnorm=2.0)
+    with pytest.raises(ValueError, match=message):
+        setattr(optimizer, name, value)
+    assert [getattr(optimizer.inner_optimizer, n) for n in ("clipnorm", "global_clipnorm", "clipvalue")
+            ] == [None, 2.0, None]
+    # Replacing the clip that is set, or clearing it first, is allowed.
+    optimizer.global_clipnorm = 4.0
+    optimizer.global_clipnorm = None
+    optimizer.clipnorm = 3.0
+    assert optimizer.inner_optimizer.clipnorm == 3.0
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_none_gradient_leaves_its_variable_alone_as_keras_scaler_does(traced):
+    # Keras' `apply` drops a variable whose gradient is None (issue 30).
+    def run(make_optimizer):
+        variables = [keras.Variable([1.0, 2.0]), keras.Variable([3.0]), keras.Variable([4.0, 5.0])]
+        optimizer = make_optimizer(keras.optimizers.SGD(0.5, momentum=0.9), initial_scale=8.0)
+        apply = lambda grads: optimizer.apply(grads, variables)  # noqa: E731
+        apply = tf.function(apply) if traced else apply
+        for grads in ([8.0, 16.0], None, [8.0, 8.0]), ([8.0, 8.0], [4.0], None), \
+                ([np.inf, 0.0], None, [1.0, 1.0]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Keras' "Gradients do not exist" and kmp's
+                apply([None if g is None else tf.constant(g) for g in grads])
+        return variables, optimizer
+
+    ours, ours_optimizer = run(kmp.LossScaleOptimizer)
+    theirs, theirs_optimizer = run(keras.optimizers.LossScaleOptimizer)
+    for a, b in zip(ours + ours_optimizer.inner_optimizer.variables,
+                    theirs + theirs_optimizer.inner_optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert float(ours_optimizer.loss_scale) == float(theirs_optimizer.dynamic_scale) == 4.0
+    assert ours[1].numpy().tolist() == [3.0 - 0.5 * 0.5]  # one step, at the second apply
 
 
 def test_clipping_never_hides_a_non_finite_gradient():
@@ -509,8 +598,8 @@ def test_distributed_step_is_decided_on_all_replicas_and_counted_once(mirrored_s
     y = rng.normal(size=(64, 1)).astype("float32")
     x[20] = np.inf  # one sample of batch 2 (of 4): it lands on one replica only
 
-    def train(model_class, optimizer):
-        with strategy.scope():
+    def train(model_class, optimizer, scope):
+        with scope:
             keras.utils.set_random_seed(1)
             inputs = keras.Input((4,))
             model = model_class(inputs, keras.layers.Dense(1)(inputs))
@@ -519,17 +608,24 @@ def test_distributed_step_is_decided_on_all_replicas_and_counted_once(mirrored_s
         return model
 
     ours = train(kmp.Model, lambda: kmp.LossScaleOptimizer(
-        keras.optimizers.SGD(0.05), initial_scale=4.0, global_clipnorm=0.5))
+        keras.optimizers.SGD(0.05), initial_scale=4.0, global_clipnorm=0.5), strategy.scope())
     assert int(ours.optimizer.skipped_steps) == 1
     assert int(ours.optimizer.iterations.numpy()) == 3
     assert float(ours.optimizer.loss_scale) == 2.0
-    # Clipping is the inner optimizer's, as under Keras' own scaler (which
-    # asks for it there): the same steps under the same strategy.
+    # Clipping is the inner optimizer's, applied to the whole batch's
+    # gradient (issue 30): the same steps as Keras' own scaler on one device.
     theirs = train(keras.Model, lambda: keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.05, global_clipnorm=0.5), initial_scale=4.0))
+        keras.optimizers.SGD(0.05, global_clipnorm=0.5), initial_scale=4.0),
+        tf.distribute.OneDeviceStrategy("/cpu:0").scope())
     assert int(theirs.optimizer.iterations.numpy()) == 3
     for a, b in zip(ours.get_weights(), theirs.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The clip was active: without it the weights differ.
+    unclipped = train(keras.Model, lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05), initial_scale=4.0),
+        tf.distribute.OneDeviceStrategy("/cpu:0").scope())
+    assert any(not np.allclose(a, b, rtol=1e-3, atol=1e-4)
+               for a, b in zip(ours.get_weights(), unclipped.get_weights()))
 
 
 def test_state_survives_a_tensorflow_checkpoint(tmp_path):

@@ -223,6 +223,31 @@ _KERAS_BASE_DEFAULTS = {
 
 _CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
 
+
+def _check_base_arguments(kwargs):
+    """Refuses what the constructor does not take, as Keras' scaler does.
+
+    The base optimizer's other arguments are accepted at their defaults (a
+    config of Keras' scaler from before Keras 3.4 carries them all) and
+    otherwise refused with a `ValueError` that says where they belong; any
+    other name is refused with the list of them.
+    """
+    for key, default in _KERAS_BASE_DEFAULTS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs.pop(key)
+        if value != default:
+            raise ValueError(
+                f"kmp.LossScaleOptimizer does not take `{key}`: set it on the "
+                f"inner optimizer. Received: {key}={value!r}"
+            )
+    if kwargs:
+        raise ValueError(
+            "kmp.LossScaleOptimizer does not take the arguments "
+            + ", ".join(f"`{key}`" for key in kwargs)
+            + ". Received: " + ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+        )
+
 # Where kmp, Keras and TensorFlow live: a warning about the user's code points
 # at the first line outside them (`apply_gradients` reaches `apply` through
 # Keras, and a train step through Keras' trainer).
@@ -1017,8 +1042,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Raises:
         TypeError: if `inner_optimizer` is not a Keras optimizer.
-        ValueError: if `inner_optimizer` is itself a loss-scale optimizer, or
-            any other argument breaks its rule.
+        ValueError: if `inner_optimizer` is itself a loss-scale optimizer, any
+            other argument breaks its rule, or an argument is not one of the
+            above (the base optimizer's `weight_decay`, `use_ema`, ... other
+            than at their defaults: set them on the inner optimizer).
 
     Example:
 
@@ -1043,7 +1070,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                  growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=_DEFAULT_GROWTH_INTERVAL, hysteresis=1, min_scale=1.0,
                  max_scale=2.0**24, clipnorm=None, global_clipnorm=None, clipvalue=None,
-                 enabled=True, name=None, dynamic_growth_steps=None):
+                 enabled=True, name=None, dynamic_growth_steps=None, **kwargs):
+        _check_base_arguments(kwargs)
         growth_interval = _growth_interval(growth_interval, dynamic_growth_steps)
         inner_optimizer = _resolve_inner_optimizer(inner_optimizer)
         clipping = dict(clipnorm=clipnorm, global_clipnorm=global_clipnorm, clipvalue=clipvalue)
@@ -1246,14 +1274,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Keras' LossScaleOptimizer (before 3.4) wrote its base optimizer's
         # settings too; at these defaults they mean nothing and are dropped,
         # as Keras' own from_config does.
-        for key, default in _KERAS_BASE_DEFAULTS.items():
-            if key in config and config[key] == default:
-                del config[key]
-            elif key in config:
-                raise ValueError(
-                    f"kmp.LossScaleOptimizer does not take `{key}`: set it on the "
-                    f"inner optimizer. Received: {key}={config[key]!r}"
-                )
         inner_optimizer = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )

@@ -819,13 +819,7 @@ def _stateless_step(optimizer, optimizer_variables, grads, trainable_variables, 
         scale = optimizer._kmp_scale.value
         counters = optimizer.counters
         flags_before = optimizer._nonfinite_gradients.value
-    grads = list(grads)
-    if optimizer.min_scale < 1.0 and divide:
-        # Dividing by less than 1 can overflow: check after unscaling.
-        grads, divide = _stateless_divide(optimizer, grads, built, scale), False
-    flags = _gradients.finite_flags(grads)
-    finite = _gradients.all_true(flags)
-    loss_finite = ops.convert_to_tensor(True) if loss is None else ops.all(ops.isfinite(loss))
+    grads, divide, flags, decision = _stateless_check(optimizer, grads, built, scale, loss, divide)
     inner_ids = {id(v) for v in inner.variables}
     inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
 
@@ -838,24 +832,8 @@ def _stateless_step(optimizer, optimizer_variables, grads, trainable_variables, 
     def skip():
         return list(trainable_variables), inner_values
 
-    new_trainable, new_inner = ops.cond(finite, apply, skip)
-    monitored = optimizer._monitored
-    nonfinite = None
-    if monitored:
-        indices = [_keras_internals.variable_index(optimizer, v) for v in built]
-        nonfinite = _gradients.nonfinite_indicator(flags, indices, len(built))
-    decision = _Decision(finite, loss_finite, nonfinite)
-    rule = {name: getattr(optimizer, name) for name in _RULE_SETTINGS}
-    new_scale, new_counters = _next_state(scale, counters, decision, rule)
-    own = {
-        id(optimizer._kmp_scale): new_scale,
-        id(optimizer._counters): ops.stack(
-            [new_counters[name] for name in _COUNTERS]
-        ),
-    }
-    if monitored:
-        backward = ops.logical_and(ops.logical_not(finite), loss_finite)
-        own[id(optimizer._nonfinite_gradients)] = ops.where(backward, nonfinite, flags_before)
+    new_trainable, new_inner = ops.cond(decision.finite, apply, skip)
+    own = _stateless_state(optimizer, scale, counters, flags_before, decision)
     new_inner = iter(new_inner)
     new_values = []
     for variable, value in mapping:
@@ -863,7 +841,45 @@ def _stateless_step(optimizer, optimizer_variables, grads, trainable_variables, 
             new_values.append(next(new_inner))
         else:
             new_values.append(own.get(id(variable), value))
-    return list(new_trainable), new_values, finite
+    return list(new_trainable), new_values, decision.finite
+
+
+def _stateless_check(optimizer, grads, built, scale, loss, divide):
+    """The finiteness decision of a step, from values.
+
+    Returns:
+        `(grads, divide, flags, decision)`: the gradients (unscaled already
+        where `min_scale < 1`, and then `divide` is `False`), the
+        per-gradient finite flags and the step's `_Decision`.
+    """
+    grads = list(grads)
+    if optimizer.min_scale < 1.0 and divide:
+        # Dividing by less than 1 can overflow: check after unscaling.
+        grads, divide = _stateless_divide(optimizer, grads, built, scale), False
+    flags = _gradients.finite_flags(grads)
+    finite = _gradients.all_true(flags)
+    loss_finite = ops.convert_to_tensor(True) if loss is None else ops.all(ops.isfinite(loss))
+    nonfinite = None
+    if optimizer._monitored:
+        indices = [_keras_internals.variable_index(optimizer, v) for v in built]
+        nonfinite = _gradients.nonfinite_indicator(flags, indices, len(built))
+    return grads, divide, flags, _Decision(finite, loss_finite, nonfinite)
+
+
+def _stateless_state(optimizer, scale, counters, flags_before, decision):
+    """The scaler's own variables after a step: `{id(variable): new value}`."""
+    rule = {name: getattr(optimizer, name) for name in _RULE_SETTINGS}
+    new_scale, new_counters = _next_state(scale, counters, decision, rule)
+    own = {
+        id(optimizer._kmp_scale): new_scale,
+        id(optimizer._counters): ops.stack([new_counters[name] for name in _COUNTERS]),
+    }
+    if optimizer._monitored:
+        backward = ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite)
+        own[id(optimizer._nonfinite_gradients)] = ops.where(
+            backward, decision.nonfinite_gradients, flags_before
+        )
+    return own
 
 
 def _stateless_divide(optimizer, grads, variables, scale):
@@ -898,6 +914,8 @@ def _jax_apply(optimizer, grads, trainable_variables, divide):
     all_grads = [None] * len(built)
     for grad, variable in zip(grads, trainable_variables):
         all_grads[positions[id(variable)]] = grad
+    if not _traced(all_grads):
+        return _jax_apply_eagerly(optimizer, all_grads, built, trainable_variables, divide)
     new_trainable, new_values, finite = _stateless_step(
         optimizer, _values(optimizer.variables), all_grads, _values(built), divide=divide,
     )
@@ -906,6 +924,37 @@ def _jax_apply(optimizer, grads, trainable_variables, divide):
     for variable, value in zip(optimizer.variables, new_values):
         variable.assign(value)
     return finite
+
+
+def _traced(values):
+    import jax
+
+    return any(isinstance(value, jax.core.Tracer) for value in values)
+
+
+def _jax_apply_eagerly(optimizer, all_grads, built, trainable_variables, divide):
+    """`apply` on JAX outside a trace: decided on the host, then the inner
+    optimizer's own `apply` updates the variables, as Keras' scaler does (a
+    sparse gradient then reaches the inner optimizer's `assign_sub` as it
+    is); the scaler's own variables take the same rule as the pure step."""
+    scale = optimizer._kmp_scale.value
+    grads, divide, _, decision = _stateless_check(
+        optimizer, all_grads, built, scale, None, divide
+    )
+    finite = bool(decision.finite)
+    if finite:
+        unscaled = _stateless_divide(optimizer, grads, built, scale) if divide else grads
+        by_id = {id(v): g for v, g in zip(built, unscaled)}
+        optimizer.inner_optimizer.apply(
+            [by_id[id(v)] for v in trainable_variables], trainable_variables
+        )
+    own = _stateless_state(
+        optimizer, scale, optimizer.counters, optimizer._nonfinite_gradients.value, decision
+    )
+    for variable in optimizer.variables:
+        if id(variable) in own:
+            variable.assign(own[id(variable)])
+    return ops.convert_to_tensor(finite)
 
 
 def _snapshot(value):

@@ -71,7 +71,8 @@ def test_sparse_gradients():
         # never sparse: the original exempts Keras' scaler's state the same
         # way, by its shape (scalars); kmp keeps its counters in one vector.
         inner_ids = {id(v) for v in inner.variables}
-        return any(variable is v.value for v in optimizer.variables if id(v) not in inner_ids)
+        return any(variable is v or variable is v.value
+                   for v in optimizer.variables if id(v) not in inner_ids)
 
     def variable_assign(variable, value):
         if len(variable.shape) and not own_state(variable):

@@ -555,19 +555,23 @@ class _FakeCluster:
         return {"worker-0": int(value), **self.others.pop(0)}
 
 
-def test_workers_resume_from_the_lowest_latest_backup(tmp_path, monkeypatch):
+def test_workers_resume_from_the_newest_backup_they_all_hold(tmp_path, monkeypatch):
     backup_dir = tmp_path / "backup"
     metadata_path = backup_dir / "training_metadata.json"
-    # Worker 1 was killed in its third save: it holds backup 1 (epoch 2).
+    # Worker 1 was killed in its third save: it holds backup 1 (epoch 2) and
+    # backup 0 (epoch 1). One gather of latest backups, one of previous ones,
+    # one of whether each restore succeeded.
     cluster = _FakeCluster(
-        monkeypatch, {"worker-1": -1}, {"worker-1": 1}, {"worker-1": 1}, {"worker-1": 1}
+        monkeypatch,
+        {"worker-1": -1}, {"worker-1": -1}, {"worker-1": 1},
+        {"worker-1": 1}, {"worker-1": 0}, {"worker-1": 1},
     )
     _run_with_backup(backup_dir, 3)
-    assert cluster.sent == [-1, 1]  # nothing to restore, then "restored"
+    assert cluster.sent == [-1, -1, 1]  # nothing to restore, then "restored"
     assert json.loads(metadata_path.read_text())["previous"]["epoch"] == 2
     model, began = _run_with_backup(backup_dir, 3)
     # Backup 2 (epoch 3) is worker 0's latest; both resume backup 1 (epoch 2).
-    assert cluster.sent == [-1, 1, 2, 1]
+    assert cluster.sent == [-1, -1, 1, 2, 1, 1]
     assert began == [2] and int(model.optimizer.iterations) == 9
     metadata = json.loads(metadata_path.read_text())
     assert (metadata["epoch"], metadata["weights"]) == (3, "backup-000002.weights.h5")
@@ -576,22 +580,74 @@ def test_workers_resume_from_the_lowest_latest_backup(tmp_path, monkeypatch):
 
 def test_workers_stop_together_when_their_backups_disagree_or_one_fails(tmp_path, monkeypatch):
     backup_dir = tmp_path / "backup"
-    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": 1})
+    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": -1}, {"worker-1": 1})
     _run_with_backup(backup_dir, 3)
     # Worker 1 has no backup at all: not the same run.
-    _FakeCluster(monkeypatch, {"worker-1": -1})
+    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": -1})
     _, error = _run_with_backup(backup_dir, 3)
-    assert "more than one backup apart" in str(error)
-    assert "worker-0 holds backup 2, worker-1 holds none" in str(error)
+    assert "have no backup in common" in str(error)
+    assert "worker-0 holds backup 2 and backup 1, worker-1 holds none" in str(error)
+    # Worker 1 holds backups 4 and 3: not the same run either.
+    _FakeCluster(monkeypatch, {"worker-1": 4}, {"worker-1": 3})
+    _, error = _run_with_backup(backup_dir, 3)
+    assert "worker-0 holds backup 2 and backup 1, worker-1 holds backup 4 and backup 3" in str(error)
     # Worker 1 could not read its metadata, or restore its own backup 2:
     # worker 0 stops too, rather than wait for worker 1 in a collective.
-    _FakeCluster(monkeypatch, {"worker-1": checkpoint_module._UNREADABLE})
+    unreadable = checkpoint_module._UNREADABLE
+    _FakeCluster(monkeypatch, {"worker-1": unreadable}, {"worker-1": unreadable})
     _, error = _run_with_backup(backup_dir, 4)
     assert str(error).startswith("worker-1 could not read its backup metadata under")
-    _FakeCluster(monkeypatch, {"worker-1": 2}, {"worker-1": 0})
+    _FakeCluster(monkeypatch, {"worker-1": 2}, {"worker-1": 1}, {"worker-1": 0})
     _, error = _run_with_backup(backup_dir, 4)
     assert str(error).startswith("worker-1 could not restore backup 2 under")
     assert "Every worker stops" in str(error)
+
+
+class _HalveLearningRate(keras.callbacks.Callback):
+    """Stands in for `ReduceLROnPlateau` listed after the backup: lowers the
+    learning rate in its own `on_epoch_end`, after the backup was written."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        rate = self.model.optimizer.learning_rate
+        rate.assign(rate * 0.5)
+
+
+def test_workers_resume_the_same_backup_when_one_died_before_its_rewrite(
+    tmp_path, monkeypatch
+):
+    """A later callback changed the state, so each worker rewrites its
+    epoch backup at the next epoch's start. Worker 0 rewrote its last one
+    (it holds backup 3, the rewrite of epoch 2, and backup 1, epoch 1's);
+    worker 1 died before its rewrite (it holds backup 2, epoch 2 as it was
+    at the epoch's end, and backup 1): both resume backup 1."""
+    backup_dir = tmp_path / "backup"
+    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": -1}, {"worker-1": 1})
+    x, y = _regression_data()
+    model = _bfloat16_model()
+    rates = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: rates.append(float(model.optimizer.learning_rate)))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+        kmp.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False),
+        _HalveLearningRate(), record])
+    metadata = json.loads((backup_dir / "training_metadata.json").read_text())
+    # Epoch 1's end: 0, its rewrite: 1; epoch 2's end: 2, its rewrite at the
+    # end of training: 3, which keeps epoch 1's as previous.
+    assert (metadata["epoch"], metadata["weights"]) == (2, "backup-000003.weights.h5")
+    assert metadata["previous"]["weights"] == "backup-000001.weights.h5"
+    assert sorted(os.listdir(backup_dir)) == [
+        "backup-000001.weights.h5", "backup-000003.weights.h5", "training_metadata.json"]
+
+    cluster = _FakeCluster(monkeypatch, {"worker-1": 2}, {"worker-1": 1}, {"worker-1": 1})
+    resumed = _bfloat16_model()
+    began = []
+    resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+        kmp.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False),
+        keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: began.append(
+            (epoch, float(resumed.optimizer.learning_rate))))])
+    assert cluster.sent == [3, 1, 1]
+    # Epoch 1's backup, with the learning rate the callback lowered after it.
+    assert began == [(1, rates[1])] and rates[1] == rates[0] * 0.5
 
 
 def test_the_chief_deletes_its_own_backups_never_a_worker_folder(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ file in another process's folder.
 ```
 train begin: create F, lock F/kmp-backup.lock (flock, not following links;
              refused, naming the holder, while another process holds it)
-save (when the epoch after the backed-up one begins):
+save (at each epoch's end, as Keras; or every `save_freq` batches):
          write weights -> F/.backup-<n>.partial-<pid>-<token>.weights.h5, fsync,
              SHA-256 of it; n = the number the metadata names, plus one
          os.replace(partial, F/backup-<n>.weights.h5)
@@ -45,12 +45,18 @@ save (when the epoch after the backed-up one begins):
              -> F/training_metadata.json (same way: partial, fsync, replace)
          delete F's backup-<n>.weights.h5 that the metadata does not name,
          and F's partial files (left by a killed process: F has one writer)
+rewrite (the next epoch's start, or train end if kept; only if a callback
+             after this one changed the variables or a monitor's counters
+             since the epoch's end): save again as backup n + 1, the same
+             epoch; its "previous" is the replaced entry's own previous.
+             Variables unchanged: backup-<n+1> is a hard link to
+             backup-<n> (linked under a partial name, then os.replace)
 restore: read F/training_metadata.json (a regular file, not a link); every
              key, type and value checked: the weights entry must be
              backup-<n>.weights.h5, a regular file in F, not a link
-         several workers: all-gather each worker's latest backup number and
-             restore number m = the lowest on every worker (the others keep
-             the previous backup, so they have m too; see below)
+         several workers: all-gather each worker's latest and previous
+             backup numbers and restore number m = the newest every worker
+             holds (see below)
          check the SHA-256 of the file, then load it strictly: any variable
              Keras would skip (a mismatch) is an error, not a warning
          several workers: all-gather whether each restore succeeded, so all
@@ -60,12 +66,16 @@ train end (delete_checkpoint=True): delete F's metadata, backups, partial
              the working directory)
 ```
 
-Why the workers can differ by one backup at most, and no more: a worker
-writes its backup of epoch k before its first step of epoch k + 1, and no
-worker can finish that epoch's steps (collectives) and write backup k + 1
-before every worker has started them. So when a worker was killed between
-its own save and another worker's, the latest backups differ by one, and
-every worker still holds the lower one.
+Why every worker holds a common backup: a worker writes its backup of
+epoch k (number n + 1, previous n) at the end of epoch k, and its rewrite
+(n + 2, previous n again) before its first step of epoch k + 1; no worker
+can finish that epoch's steps (collectives) and write another backup before
+every worker has started them, i.e. written its own. So a worker killed
+between its own saves and another's leaves every worker holding backup n
+(or, at the first epoch, nothing to restore: every worker starts over), and
+the newest backup they all hold is restored. Workers make the same rewrite
+decisions (their variables and callbacks are the same), so one number means
+one state on every worker.
 """
 
 import datetime
@@ -655,11 +665,22 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     file, before any epoch is trained. Backups written by kmp before it
     recorded checksums restore without that check, with a warning.
 
-    An epoch's backup is written when the next epoch begins (or when
-    training ends, if the backup is kept), after every callback has handled
-    the epoch's end: a learning rate that `ReduceLROnPlateau` lowered, and
-    the counters of the callbacks passed as `monitors`, are part of it
-    wherever this callback sits in the list.
+    With `save_freq="epoch"` an epoch's backup is written at the epoch's
+    end (`on_epoch_end`), as Keras writes it, so a crash anywhere after it
+    (a callback listed later that raises in its own `on_epoch_end`
+    included) resumes at the next epoch, where Keras' own callback resumes.
+    Callbacks listed after this one handle the epoch's end after the
+    backup was written: if one of them changes what the backup holds (a
+    learning rate that `ReduceLROnPlateau` lowered, weights `EarlyStopping`
+    restored, the counters of the callbacks passed as `monitors`), the
+    backup is written again when the next epoch begins (or when training
+    ends, if the backup is kept), as a new backup of the same epoch that
+    replaces it. A change is found by comparing a SHA-256 of the model's
+    and optimizer's variables (read back from the device, as a save does)
+    and the monitors' counters with those written; when only counters
+    changed, the new backup's weights file is a hard link to the one
+    written, not a second save. A crash between the two writes resumes
+    from the first, which is what Keras' callback would resume.
 
     With deterministic ops (`tf.config.experimental.enable_op_determinism`,
     `keras.utils.set_random_seed`) and `shuffle=False` or a seeded input
@@ -675,11 +696,12 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     worker to a folder of its own inside it, `backup_dir/worker-<index>`,
     so no process writes, prunes or deletes another's files. When a worker
     dies the others stop too (their collectives fail); rerun every worker
-    with the same command. At restore the workers agree on one backup (a
-    worker killed between its save and another's holds one backup less), so
-    all resume from the same state. For that agreement each worker keeps its
-    previous backup as well, as with `double_checkpoint=True`; a backup that
-    cannot be restored on any worker is an error on every worker.
+    with the same command. At restore the workers agree on one backup, the
+    newest that every worker holds (a worker killed between its save and
+    another's holds one backup less), so all resume from the same state.
+    For that agreement each worker keeps its previous backup as well, as
+    with `double_checkpoint=True`; a backup that cannot be restored on any
+    worker is an error on every worker.
 
     The folder is trusted with nothing but what this callback wrote there.
     The metadata is checked key by key (a wrong key, type or value is a
@@ -713,9 +735,11 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             locked, when training begins.
         save_freq: `"epoch"` or integer. As for Keras' callback. Defaults
             to `"epoch"`.
-        double_checkpoint: Bool. Keep the previous complete backup too, and
-            fall back to it, with a warning, if the latest cannot be restored
-            (a disk error, a checksum that differs). Defaults to `False`.
+        double_checkpoint: Bool. Keep the previous complete backup too (the
+            previous epoch's, with `save_freq="epoch"`; a rewrite of an
+            epoch's backup replaces it and keeps the one before), and fall
+            back to it, with a warning, if the latest cannot be restored (a
+            disk error, a checksum that differs). Defaults to `False`.
         delete_checkpoint: Bool. Delete the backups when training ends (each
             worker its own, and nothing this callback did not write;
             `backup_dir` goes once it is empty). Defaults to `True`.

@@ -539,6 +539,112 @@ def test_a_backup_without_checksums_restores_with_a_warning(tmp_path):
     assert "sha256" in json.loads(metadata_path.read_text())
 
 
+class _RaiseAtEpochEnd(keras.callbacks.Callback):
+    """A crash in a callback listed after the backup, at the end of epoch
+    `epoch` (0-based), once the backup has handled that epoch's end."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("crashed at the end of the epoch")
+
+
+@pytest.mark.parametrize("crash_epoch", [0, 1])
+def test_a_crash_in_a_later_callback_resumes_where_keras_own_backup_resumes(
+    tmp_path, crash_epoch
+):
+    """Keras' own `BackupAndRestore` is the reference: the same run, crashed
+    by a later callback at an epoch's end, then resumed, trains the same
+    epochs and ends with the same weights and optimizer state, bit for bit."""
+    x, y = _regression_data()
+
+    def crash_then_resume(callback_class, backup_dir):
+        keras.utils.set_random_seed(5)
+        model = _bfloat16_model()
+        with pytest.raises(RuntimeError, match="crashed at the end"):
+            model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                      callbacks=[callback_class(str(backup_dir)), _RaiseAtEpochEnd(crash_epoch)])
+        keras.utils.set_random_seed(5)
+        resumed = _bfloat16_model()
+        history = resumed.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                              callbacks=[callback_class(str(backup_dir))])
+        return resumed, history.epoch
+
+    reference, reference_epochs = crash_then_resume(
+        keras.callbacks.BackupAndRestore, tmp_path / "keras")
+    model, epochs = crash_then_resume(kmp.callbacks.BackupAndRestore, tmp_path / "kmp")
+    assert reference_epochs == list(range(crash_epoch + 1, 4))
+    assert epochs == reference_epochs
+    for a, b in zip(model.weights + model.optimizer.variables,
+                    reference.weights + reference.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+def test_what_a_later_callback_changes_is_rewritten_into_the_epochs_backup(
+    tmp_path, monkeypatch
+):
+    """Callbacks after the backup change the state after it was written at
+    the epoch's end: a learning rate (`_HalveLearningRate`, every epoch) and
+    a monitor's counters (`EarlyStopping`). The backup is brought up to date
+    at the next epoch's start: a new save when the variables changed, a hard
+    link to the file just written when only counters did. `double_checkpoint`
+    keeps the previous epoch's backup, not the replaced one."""
+    x, y = _regression_data()
+    saves = []
+    save_weights = keras.Model.save_weights
+
+    def counted_save_weights(self, filepath, *args, **kwargs):
+        saves.append(os.path.basename(str(filepath)))
+        return save_weights(self, filepath, *args, **kwargs)
+
+    monkeypatch.setattr(kmp.Model, "save_weights", counted_save_weights, raising=False)
+
+    def run(backup_dir, epochs, halve):
+        model = _bfloat16_model()
+        stopping = keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=100)
+        later = [_HalveLearningRate()] if halve else []
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=[
+            kmp.callbacks.BackupAndRestore(str(backup_dir), double_checkpoint=True,
+                                           delete_checkpoint=False, monitors=[stopping]),
+            *later, stopping])
+        return model, stopping
+
+    # Only the counters change: one save per epoch, the rewrites are links.
+    model, stopping = run(tmp_path / "counters", 3, halve=False)
+    assert len(saves) == 3
+    metadata = json.loads((tmp_path / "counters" / "training_metadata.json").read_text())
+    assert metadata["epoch"] == 3 and metadata["previous"]["epoch"] == 2
+    assert metadata["monitors"] == [{"best": stopping.best, "wait": stopping.wait,
+                                     "best_epoch": stopping.best_epoch,
+                                     "stopped_epoch": stopping.stopped_epoch}]
+    assert stopping.wait == 2
+    # The previous epoch's backup is itself a rewrite (counters of epoch 2).
+    assert metadata["previous"]["monitors"][0]["wait"] == 1
+
+    # The learning rate changes too: a second save per epoch.
+    saves.clear()
+    model, _ = run(tmp_path / "rate", 3, halve=True)
+    assert len(saves) == 6
+    folder = tmp_path / "rate"
+    metadata = json.loads((folder / "training_metadata.json").read_text())
+    assert metadata["epoch"] == 3 and metadata["previous"]["epoch"] == 2
+    assert sorted(os.listdir(folder)) == sorted(
+        [metadata["weights"], metadata["previous"]["weights"], "training_metadata.json"])
+    # Restored from it: the learning rate of the run's end, 3 halvings.
+    resumed = _bfloat16_model()
+    resumed.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+        kmp.callbacks.BackupAndRestore(str(folder))])
+    initial = float(_bfloat16_model().optimizer.learning_rate)
+    assert float(resumed.optimizer.learning_rate) == initial / 8
+    assert float(model.optimizer.learning_rate) == initial / 8
+    for a, b in zip(resumed.weights + resumed.optimizer.variables,
+                    model.weights + model.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
 class _FakeCluster:
     """Stands in for the all-gathers of `BackupAndRestore` across workers: this
     process is the chief, "worker-0"; `others` are the other workers' values,

@@ -762,7 +762,8 @@ def test_the_chief_deletes_its_own_backups_never_a_worker_folder(tmp_path, monke
     and one that vanishes between the chief's listing and its next look is no
     error (it crashed the chief on CI)."""
     backup_dir = tmp_path / "backup"
-    _FakeCluster(monkeypatch, {"worker-1": -1, "worker-2": -1}, {"worker-1": 1, "worker-2": 1})
+    _FakeCluster(monkeypatch, {"worker-1": -1, "worker-2": -1}, {"worker-1": -1, "worker-2": -1},
+                 {"worker-1": 1, "worker-2": 1})
     still_training = backup_dir / "worker-2"
     still_training.mkdir(parents=True)
     (still_training / "training_metadata.json").write_text("{}")

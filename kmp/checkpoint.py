@@ -36,7 +36,7 @@ file in another process's folder.
 ```
 train begin: create F, lock F/kmp-backup.lock (flock, not following links;
              refused, naming the holder, while another process holds it)
-save (when the epoch after the backed-up one begins):
+save (at each epoch's end, as Keras; or every `save_freq` batches):
          write weights -> F/.backup-<n>.partial-<pid>-<token>.weights.h5, fsync,
              SHA-256 of it; n = the number the metadata names, plus one
          os.replace(partial, F/backup-<n>.weights.h5)
@@ -45,12 +45,18 @@ save (when the epoch after the backed-up one begins):
              -> F/training_metadata.json (same way: partial, fsync, replace)
          delete F's backup-<n>.weights.h5 that the metadata does not name,
          and F's partial files (left by a killed process: F has one writer)
+rewrite (the next epoch's start, or train end if kept; only if a callback
+             after this one changed the variables or a monitor's counters
+             since the epoch's end): save again as backup n + 1, the same
+             epoch; its "previous" is the replaced entry's own previous.
+             Variables unchanged: backup-<n+1> is a hard link to
+             backup-<n> (linked under a partial name, then os.replace)
 restore: read F/training_metadata.json (a regular file, not a link); every
              key, type and value checked: the weights entry must be
              backup-<n>.weights.h5, a regular file in F, not a link
-         several workers: all-gather each worker's latest backup number and
-             restore number m = the lowest on every worker (the others keep
-             the previous backup, so they have m too; see below)
+         several workers: all-gather each worker's latest and previous
+             backup numbers and restore number m = the newest every worker
+             holds (see below)
          check the SHA-256 of the file, then load it strictly: any variable
              Keras would skip (a mismatch) is an error, not a warning
          several workers: all-gather whether each restore succeeded, so all
@@ -60,12 +66,16 @@ train end (delete_checkpoint=True): delete F's metadata, backups, partial
              the working directory)
 ```
 
-Why the workers can differ by one backup at most, and no more: a worker
-writes its backup of epoch k before its first step of epoch k + 1, and no
-worker can finish that epoch's steps (collectives) and write backup k + 1
-before every worker has started them. So when a worker was killed between
-its own save and another worker's, the latest backups differ by one, and
-every worker still holds the lower one.
+Why every worker holds a common backup: a worker writes its backup of
+epoch k (number n + 1, previous n) at the end of epoch k, and its rewrite
+(n + 2, previous n again) before its first step of epoch k + 1; no worker
+can finish that epoch's steps (collectives) and write another backup before
+every worker has started them, i.e. written its own. So a worker killed
+between its own saves and another's leaves every worker holding backup n
+(or, at the first epoch, nothing to restore: every worker starts over), and
+the newest backup they all hold is restored. Workers make the same rewrite
+decisions (their variables and callbacks are the same), so one number means
+one state on every worker.
 """
 
 import datetime
@@ -83,6 +93,7 @@ import tempfile
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kmp import _keras_internals
@@ -346,6 +357,26 @@ def _backup_number(entry):
         return -1
     match = _BACKUP_PATTERN.match(entry.get("weights", ""))
     return int(match.group(1)) if match else 0
+
+
+def _held_backups(latest, previous):
+    """The backups a worker can restore, given the numbers of its latest and
+    previous backups (-1: none); -1 in the result: it can start over.
+
+    A worker holding nothing can start over, and so can one whose latest
+    backup is one of a run's first two (the backup of the first epoch, and
+    the rewrite of it, see `BackupAndRestore._update_epoch_backup`) with
+    nothing before it: another worker may have died before writing its
+    first. Later backups of several workers always keep their previous one.
+    """
+    if latest < 0:
+        return {-1}
+    held = {latest}
+    if previous >= 0:
+        held.add(previous)
+    elif latest <= 1:
+        held.add(-1)
+    return held
 
 
 def _is_count(value):
@@ -634,11 +665,22 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     file, before any epoch is trained. Backups written by kmp before it
     recorded checksums restore without that check, with a warning.
 
-    An epoch's backup is written when the next epoch begins (or when
-    training ends, if the backup is kept), after every callback has handled
-    the epoch's end: a learning rate that `ReduceLROnPlateau` lowered, and
-    the counters of the callbacks passed as `monitors`, are part of it
-    wherever this callback sits in the list.
+    With `save_freq="epoch"` an epoch's backup is written at the epoch's
+    end (`on_epoch_end`), as Keras writes it, so a crash anywhere after it
+    (a callback listed later that raises in its own `on_epoch_end`
+    included) resumes at the next epoch, where Keras' own callback resumes.
+    Callbacks listed after this one handle the epoch's end after the
+    backup was written: if one of them changes what the backup holds (a
+    learning rate that `ReduceLROnPlateau` lowered, weights `EarlyStopping`
+    restored, the counters of the callbacks passed as `monitors`), the
+    backup is written again when the next epoch begins (or when training
+    ends, if the backup is kept), as a new backup of the same epoch that
+    replaces it. A change is found by comparing a SHA-256 of the model's
+    and optimizer's variables (read back from the device, as a save does)
+    and the monitors' counters with those written; when only counters
+    changed, the new backup's weights file is a hard link to the one
+    written, not a second save. A crash between the two writes resumes
+    from the first, which is what Keras' callback would resume.
 
     With deterministic ops (`tf.config.experimental.enable_op_determinism`,
     `keras.utils.set_random_seed`) and `shuffle=False` or a seeded input
@@ -654,11 +696,12 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     worker to a folder of its own inside it, `backup_dir/worker-<index>`,
     so no process writes, prunes or deletes another's files. When a worker
     dies the others stop too (their collectives fail); rerun every worker
-    with the same command. At restore the workers agree on one backup (a
-    worker killed between its save and another's holds one backup less), so
-    all resume from the same state. For that agreement each worker keeps its
-    previous backup as well, as with `double_checkpoint=True`; a backup that
-    cannot be restored on any worker is an error on every worker.
+    with the same command. At restore the workers agree on one backup, the
+    newest that every worker holds (a worker killed between its save and
+    another's holds one backup less), so all resume from the same state.
+    For that agreement each worker keeps its previous backup as well, as
+    with `double_checkpoint=True`; a backup that cannot be restored on any
+    worker is an error on every worker.
 
     The folder is trusted with nothing but what this callback wrote there.
     The metadata is checked key by key (a wrong key, type or value is a
@@ -692,9 +735,11 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             locked, when training begins.
         save_freq: `"epoch"` or integer. As for Keras' callback. Defaults
             to `"epoch"`.
-        double_checkpoint: Bool. Keep the previous complete backup too, and
-            fall back to it, with a warning, if the latest cannot be restored
-            (a disk error, a checksum that differs). Defaults to `False`.
+        double_checkpoint: Bool. Keep the previous complete backup too (the
+            previous epoch's, with `save_freq="epoch"`; a rewrite of an
+            epoch's backup replaces it and keeps the one before), and fall
+            back to it, with a warning, if the latest cannot be restored (a
+            disk error, a checksum that differs). Defaults to `False`.
         delete_checkpoint: Bool. Delete the backups when training ends (each
             worker its own, and nothing this callback did not write;
             `backup_dir` goes once it is empty). Defaults to `True`.
@@ -747,7 +792,9 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
                 )
         self.monitors = monitors
         self._pending_monitor_states = None
-        self._epoch_backup_pending = False
+        # `(metadata entry, variables digest)` of the backup written at the
+        # last epoch's end, until the next epoch's start checks it.
+        self._epoch_backup = None
         # This process's own folder, and its task in a multi-worker cluster
         # (`(name, is_chief)`, or `None`); set when training begins.
         self._folder = backup_dir
@@ -886,47 +933,52 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             )
 
     def _restore_agreed(self):
-        """Restores the same backup on every worker: the lowest latest one.
+        """Restores the same backup on every worker: the newest one that
+        every worker holds (as its latest or its previous backup).
 
-        Two all-gathers, at the same point on every worker: the latest
-        backup numbers, then whether each restore succeeded, so that a
-        worker that cannot restore stops every worker, not only itself
-        (rather than leaving them waiting for it in a collective).
+        Three all-gathers, at the same point on every worker: the latest
+        backup numbers, the previous ones, then whether each restore
+        succeeded, so that a worker that cannot restore stops every worker,
+        not only itself (rather than leaving them waiting for it in a
+        collective).
         """
         strategy, (task, _) = self.model.distribute_strategy, self._worker
         try:
             candidates = self._candidates()
             latest, error = _backup_number(candidates[0] if candidates else None), None
+            previous = _backup_number(candidates[1] if len(candidates) > 1 else None)
         except (OSError, ValueError) as read_error:
-            candidates, latest, error = [], _UNREADABLE, read_error
+            candidates, latest, previous, error = [], _UNREADABLE, _UNREADABLE, read_error
         latests = _gather_from_workers(strategy, task, latest)
+        previouses = _gather_from_workers(strategy, task, previous)
         if error is not None:
             raise error
         unreadable = sorted(name for name, n in latests.items() if n == _UNREADABLE)
         if unreadable:
             raise self._other_workers_failed(unreadable, "read its backup metadata")
-        target = min(latests.values())
-        if max(latests.values()) - target > 1:
-            held = ", ".join(
-                f"{name} holds {'backup ' + str(n) if n >= 0 else 'none'}"
-                for name, n in sorted(latests.items())
+        held = {
+            name: _held_backups(latests[name], previouses.get(name, -1))
+            for name in latests
+        }
+        common = set.intersection(*held.values())
+        if not common:
+            listed = ", ".join(
+                f"{name} holds "
+                + (" and ".join(f"backup {n}" for n in sorted(numbers, reverse=True) if n >= 0)
+                   if max(numbers) >= 0 else "none")
+                for name, numbers in sorted(held.items())
             )
             raise ValueError(
-                f"The workers' backups under {self.backup_dir!r} are more than "
-                f"one backup apart, so they are not from the same run: {held}. "
+                f"The workers' backups under {self.backup_dir!r} have no backup "
+                f"in common, so they are not from the same run: {listed}. "
                 "Give every worker the `backup_dir` it had when the backups "
                 "were written, or delete every worker's backup folder to start "
                 "over."
             )
+        target = max(common)
+        # In this worker's own `held`, so a candidate (or none, for -1).
         chosen = next((c for c in candidates if _backup_number(c) == target), None)
-        if target >= 0 and chosen is None:
-            error = ValueError(
-                f"{task} cannot resume with the other workers from backup "
-                f"{target}: {self._kmp_training_metadata_path!r} names backup "
-                f"{latest} and no previous one. Delete every worker's backup "
-                "folder to start over."
-            )
-        elif chosen is not None:
+        if chosen is not None:
             try:
                 self._restore(chosen)
             except (OSError, ValueError) as restore_error:
@@ -1037,9 +1089,9 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     def on_train_begin(self, logs=None):
         # Each fit starts from what the folder holds, never from what an
         # earlier fit with this instance left behind: after an interrupted
-        # fit a pending backup would carry the old epoch number over the
-        # restored weights.
-        self._epoch_backup_pending = False
+        # fit, an epoch backup still to be checked would carry the old epoch
+        # number over the restored weights.
+        self._epoch_backup = None
         self._pending_monitor_states = None
         self._kmp_current_epoch = 0
         self._kmp_last_batch_seen = 0
@@ -1055,29 +1107,62 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     def on_epoch_end(self, epoch, logs=None):
         self._kmp_current_epoch = epoch + 1
         self._kmp_last_batch_seen = 0
-        # Written at the next epoch's start (or at the end of training), once
-        # every callback has handled this epoch's end: callbacks listed after
-        # this one (EarlyStopping, ReduceLROnPlateau changing the learning
-        # rate) are then part of the backup, whatever the order of the list.
-        self._epoch_backup_pending = self.save_freq == "epoch"
+        if self.save_freq != "epoch":
+            return
+        # Written here, as Keras writes it: a later callback that raises in
+        # its own `on_epoch_end` (a crash) loses nothing of this epoch.
+        entry = self._write_backup()
+        # What was written, to bring the backup up to date at the next
+        # epoch's start if a callback after this one changes the state.
+        self._epoch_backup = (entry, self._variables_digest())
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._epoch_backup_pending:
-            self._epoch_backup_pending = False
-            self._kmp_save_backup()
+        if self._epoch_backup is not None:
+            self._update_epoch_backup()
         self._restore_monitors()
 
     def on_train_end(self, logs=None):
         try:
-            if self._epoch_backup_pending and not self.delete_checkpoint:
-                self._epoch_backup_pending = False
-                self._kmp_save_backup()
+            if self._epoch_backup is not None and not self.delete_checkpoint:
+                self._update_epoch_backup()
+            self._epoch_backup = None
             if self.delete_checkpoint:
                 self._delete_own_files()
         finally:
             self._release_lock()
         if self.delete_checkpoint:
             self._remove_empty_folders()
+
+    def _variables_digest(self):
+        """SHA-256 of the values of every variable a backup holds (the
+        model's and the optimizer's; not the metrics', which `fit` resets
+        at each epoch's start), with their paths, dtypes and shapes."""
+        metrics = {id(v) for v in self.model.metrics_variables}
+        variables = [v for v in self.model.variables if id(v) not in metrics]
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        digest = hashlib.sha256()
+        for variable in variables:
+            value = np.ascontiguousarray(keras.ops.convert_to_numpy(variable))
+            digest.update(f"{variable.path}:{value.dtype}:{value.shape};".encode())
+            digest.update(value.reshape(-1).view(np.uint8))
+        return digest.hexdigest()
+
+    def _update_epoch_backup(self):
+        """Rewrites the backup written at the last epoch's end if a callback
+        that ran after this one changed what it holds: the variables (a
+        learning rate `ReduceLROnPlateau` lowered, weights `EarlyStopping`
+        restored) or a monitor's counters. The rewrite is a new backup of the
+        same epoch that replaces that one; with unchanged variables its
+        weights file is a hard link to the one written (no second save)."""
+        (entry, digest), self._epoch_backup = self._epoch_backup, None
+        monitors = [_monitor_state(monitor) for monitor in self.monitors]
+        same_variables = self._variables_digest() == digest
+        # json: NaN equals NaN there, as the counters were written.
+        if same_variables and json.dumps(monitors) == json.dumps(entry["monitors"]):
+            return
+        self._write_backup(replacing=entry, same_weights=same_variables)
 
     def _delete_own_files(self):
         """Deletes what kmp wrote in this process's folder, by kmp's names:
@@ -1147,19 +1232,44 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
                     setattr(monitor, name, state[name])
 
     def _kmp_save_backup(self):
+        self._write_backup()
+
+    def _write_backup(self, replacing=None, same_weights=False):
+        """Writes a backup of the current state and commits it; returns its
+        metadata entry.
+
+        `replacing`: the entry of the latest backup, written at this
+        epoch's end, that this one replaces (it then keeps that entry's
+        `previous`: the previous epoch's backup, as Keras'
+        `double_checkpoint` keeps). `same_weights`: the variables have not
+        changed since `replacing` was written, so its weights file is hard
+        linked under the new name rather than saved again (saved, if the
+        file system has no hard links).
+        """
         os.makedirs(self._folder, exist_ok=True)
         latest = self._read_metadata()
         # Numbered from the metadata, not from the folder listing: a file a
         # killed save completed but never committed is not counted, so every
         # worker numbers its backups alike.
         weights_name = f"backup-{_backup_number(latest) + 1:06d}.weights.h5"
+        weights_path = os.path.join(self._folder, weights_name)
+        replaces_latest = (
+            replacing is not None
+            and latest is not None
+            and latest.get("weights") == replacing["weights"]
+        )
         checksum = {}
+        if replaces_latest and same_weights and self._link_backup(
+            replacing["weights"], weights_path
+        ):
+            checksum["sha256"] = replacing["sha256"]
+        else:
 
-        def write_weights(path):
-            self.model.save_weights(path, overwrite=True)
-            checksum["sha256"] = _sha256(path)
+            def write_weights(path):
+                self.model.save_weights(path, overwrite=True)
+                checksum["sha256"] = _sha256(path)
 
-        _write_atomically(os.path.join(self._folder, weights_name), write_path=write_weights)
+            _write_atomically(weights_path, write_path=write_weights)
         metadata = {
             "epoch": self._kmp_current_epoch,
             "batch": self._kmp_last_batch_seen,
@@ -1167,11 +1277,15 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             "sha256": checksum["sha256"],
             "monitors": [_monitor_state(monitor) for monitor in self.monitors],
         }
+        # The backup kept as `previous`: the latest one, or, when this one
+        # replaces the latest (same epoch), the one before it.
+        before = latest.get("previous") if replaces_latest else latest
         # Several workers need the previous backup to agree on one at restore.
         keep_previous = self.double_checkpoint or self._worker is not None
-        if keep_previous and latest and "weights" in latest:
-            latest.pop("previous", None)
-            metadata["previous"] = latest
+        if keep_previous and before and "weights" in before:
+            before = dict(before)
+            before.pop("previous", None)
+            metadata["previous"] = before
         self._write_metadata(metadata)
         keep = {weights_name}
         if "previous" in metadata:
@@ -1185,6 +1299,36 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
                 path = os.path.join(self._folder, name)
                 if not stat.S_ISDIR(os.lstat(path).st_mode):
                     os.remove(path)
+        return metadata
+
+    def _link_backup(self, source_name, target):
+        """Hard links backup `source_name` at `target`, atomically (a link
+        under a temporary name, then `os.replace`); `False` where the file
+        system has no hard links."""
+        source = os.path.join(self._folder, source_name)
+        stem, suffix = _split_suffix(target)
+        directory, name = os.path.split(stem)
+        for _ in range(100):
+            partial = os.path.join(
+                directory,
+                f".{name}{_PARTIAL_MARK}-{os.getpid()}-{secrets.token_hex(8)}{suffix}",
+            )
+            try:
+                os.link(source, partial, follow_symlinks=False)
+                break
+            except FileExistsError:
+                continue
+            except (OSError, NotImplementedError):
+                return False
+        else:
+            return False
+        try:
+            os.replace(partial, target)
+        except BaseException:
+            os.remove(partial)
+            raise
+        _fsync_path(directory or ".", directory=True)
+        return True
 
 
 class ModelCheckpoint(_keras_internals.ModelCheckpointBase):

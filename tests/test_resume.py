@@ -539,6 +539,112 @@ def test_a_backup_without_checksums_restores_with_a_warning(tmp_path):
     assert "sha256" in json.loads(metadata_path.read_text())
 
 
+class _RaiseAtEpochEnd(keras.callbacks.Callback):
+    """A crash in a callback listed after the backup, at the end of epoch
+    `epoch` (0-based), once the backup has handled that epoch's end."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("crashed at the end of the epoch")
+
+
+@pytest.mark.parametrize("crash_epoch", [0, 1])
+def test_a_crash_in_a_later_callback_resumes_where_keras_own_backup_resumes(
+    tmp_path, crash_epoch
+):
+    """Keras' own `BackupAndRestore` is the reference: the same run, crashed
+    by a later callback at an epoch's end, then resumed, trains the same
+    epochs and ends with the same weights and optimizer state, bit for bit."""
+    x, y = _regression_data()
+
+    def crash_then_resume(callback_class, backup_dir):
+        keras.utils.set_random_seed(5)
+        model = _bfloat16_model()
+        with pytest.raises(RuntimeError, match="crashed at the end"):
+            model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                      callbacks=[callback_class(str(backup_dir)), _RaiseAtEpochEnd(crash_epoch)])
+        keras.utils.set_random_seed(5)
+        resumed = _bfloat16_model()
+        history = resumed.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                              callbacks=[callback_class(str(backup_dir))])
+        return resumed, history.epoch
+
+    reference, reference_epochs = crash_then_resume(
+        keras.callbacks.BackupAndRestore, tmp_path / "keras")
+    model, epochs = crash_then_resume(kmp.callbacks.BackupAndRestore, tmp_path / "kmp")
+    assert reference_epochs == list(range(crash_epoch + 1, 4))
+    assert epochs == reference_epochs
+    for a, b in zip(model.weights + model.optimizer.variables,
+                    reference.weights + reference.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+def test_what_a_later_callback_changes_is_rewritten_into_the_epochs_backup(
+    tmp_path, monkeypatch
+):
+    """Callbacks after the backup change the state after it was written at
+    the epoch's end: a learning rate (`_HalveLearningRate`, every epoch) and
+    a monitor's counters (`EarlyStopping`). The backup is brought up to date
+    at the next epoch's start: a new save when the variables changed, a hard
+    link to the file just written when only counters did. `double_checkpoint`
+    keeps the previous epoch's backup, not the replaced one."""
+    x, y = _regression_data()
+    saves = []
+    save_weights = keras.Model.save_weights
+
+    def counted_save_weights(self, filepath, *args, **kwargs):
+        saves.append(os.path.basename(str(filepath)))
+        return save_weights(self, filepath, *args, **kwargs)
+
+    monkeypatch.setattr(kmp.Model, "save_weights", counted_save_weights, raising=False)
+
+    def run(backup_dir, epochs, halve):
+        model = _bfloat16_model()
+        stopping = keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=100)
+        later = [_HalveLearningRate()] if halve else []
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=[
+            kmp.callbacks.BackupAndRestore(str(backup_dir), double_checkpoint=True,
+                                           delete_checkpoint=False, monitors=[stopping]),
+            *later, stopping])
+        return model, stopping
+
+    # Only the counters change: one save per epoch, the rewrites are links.
+    model, stopping = run(tmp_path / "counters", 3, halve=False)
+    assert len(saves) == 3
+    metadata = json.loads((tmp_path / "counters" / "training_metadata.json").read_text())
+    assert metadata["epoch"] == 3 and metadata["previous"]["epoch"] == 2
+    assert metadata["monitors"] == [{"best": stopping.best, "wait": stopping.wait,
+                                     "best_epoch": stopping.best_epoch,
+                                     "stopped_epoch": stopping.stopped_epoch}]
+    assert stopping.wait == 2
+    # The previous epoch's backup is itself a rewrite (counters of epoch 2).
+    assert metadata["previous"]["monitors"][0]["wait"] == 1
+
+    # The learning rate changes too: a second save per epoch.
+    saves.clear()
+    model, _ = run(tmp_path / "rate", 3, halve=True)
+    assert len(saves) == 6
+    folder = tmp_path / "rate"
+    metadata = json.loads((folder / "training_metadata.json").read_text())
+    assert metadata["epoch"] == 3 and metadata["previous"]["epoch"] == 2
+    assert sorted(os.listdir(folder)) == sorted(
+        [metadata["weights"], metadata["previous"]["weights"], "training_metadata.json"])
+    # Restored from it: the learning rate of the run's end, 3 halvings.
+    resumed = _bfloat16_model()
+    resumed.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+        kmp.callbacks.BackupAndRestore(str(folder))])
+    initial = float(_bfloat16_model().optimizer.learning_rate)
+    assert float(resumed.optimizer.learning_rate) == initial / 8
+    assert float(model.optimizer.learning_rate) == initial / 8
+    for a, b in zip(resumed.weights + resumed.optimizer.variables,
+                    model.weights + model.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
 class _FakeCluster:
     """Stands in for the all-gathers of `BackupAndRestore` across workers: this
     process is the chief, "worker-0"; `others` are the other workers' values,
@@ -555,19 +661,23 @@ class _FakeCluster:
         return {"worker-0": int(value), **self.others.pop(0)}
 
 
-def test_workers_resume_from_the_lowest_latest_backup(tmp_path, monkeypatch):
+def test_workers_resume_from_the_newest_backup_they_all_hold(tmp_path, monkeypatch):
     backup_dir = tmp_path / "backup"
     metadata_path = backup_dir / "training_metadata.json"
-    # Worker 1 was killed in its third save: it holds backup 1 (epoch 2).
+    # Worker 1 was killed in its third save: it holds backup 1 (epoch 2) and
+    # backup 0 (epoch 1). One gather of latest backups, one of previous ones,
+    # one of whether each restore succeeded.
     cluster = _FakeCluster(
-        monkeypatch, {"worker-1": -1}, {"worker-1": 1}, {"worker-1": 1}, {"worker-1": 1}
+        monkeypatch,
+        {"worker-1": -1}, {"worker-1": -1}, {"worker-1": 1},
+        {"worker-1": 1}, {"worker-1": 0}, {"worker-1": 1},
     )
     _run_with_backup(backup_dir, 3)
-    assert cluster.sent == [-1, 1]  # nothing to restore, then "restored"
+    assert cluster.sent == [-1, -1, 1]  # nothing to restore, then "restored"
     assert json.loads(metadata_path.read_text())["previous"]["epoch"] == 2
     model, began = _run_with_backup(backup_dir, 3)
     # Backup 2 (epoch 3) is worker 0's latest; both resume backup 1 (epoch 2).
-    assert cluster.sent == [-1, 1, 2, 1]
+    assert cluster.sent == [-1, -1, 1, 2, 1, 1]
     assert began == [2] and int(model.optimizer.iterations) == 9
     metadata = json.loads(metadata_path.read_text())
     assert (metadata["epoch"], metadata["weights"]) == (3, "backup-000002.weights.h5")
@@ -576,22 +686,74 @@ def test_workers_resume_from_the_lowest_latest_backup(tmp_path, monkeypatch):
 
 def test_workers_stop_together_when_their_backups_disagree_or_one_fails(tmp_path, monkeypatch):
     backup_dir = tmp_path / "backup"
-    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": 1})
+    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": -1}, {"worker-1": 1})
     _run_with_backup(backup_dir, 3)
     # Worker 1 has no backup at all: not the same run.
-    _FakeCluster(monkeypatch, {"worker-1": -1})
+    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": -1})
     _, error = _run_with_backup(backup_dir, 3)
-    assert "more than one backup apart" in str(error)
-    assert "worker-0 holds backup 2, worker-1 holds none" in str(error)
+    assert "have no backup in common" in str(error)
+    assert "worker-0 holds backup 2 and backup 1, worker-1 holds none" in str(error)
+    # Worker 1 holds backups 4 and 3: not the same run either.
+    _FakeCluster(monkeypatch, {"worker-1": 4}, {"worker-1": 3})
+    _, error = _run_with_backup(backup_dir, 3)
+    assert "worker-0 holds backup 2 and backup 1, worker-1 holds backup 4 and backup 3" in str(error)
     # Worker 1 could not read its metadata, or restore its own backup 2:
     # worker 0 stops too, rather than wait for worker 1 in a collective.
-    _FakeCluster(monkeypatch, {"worker-1": checkpoint_module._UNREADABLE})
+    unreadable = checkpoint_module._UNREADABLE
+    _FakeCluster(monkeypatch, {"worker-1": unreadable}, {"worker-1": unreadable})
     _, error = _run_with_backup(backup_dir, 4)
     assert str(error).startswith("worker-1 could not read its backup metadata under")
-    _FakeCluster(monkeypatch, {"worker-1": 2}, {"worker-1": 0})
+    _FakeCluster(monkeypatch, {"worker-1": 2}, {"worker-1": 1}, {"worker-1": 0})
     _, error = _run_with_backup(backup_dir, 4)
     assert str(error).startswith("worker-1 could not restore backup 2 under")
     assert "Every worker stops" in str(error)
+
+
+class _HalveLearningRate(keras.callbacks.Callback):
+    """Stands in for `ReduceLROnPlateau` listed after the backup: lowers the
+    learning rate in its own `on_epoch_end`, after the backup was written."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        rate = self.model.optimizer.learning_rate
+        rate.assign(rate * 0.5)
+
+
+def test_workers_resume_the_same_backup_when_one_died_before_its_rewrite(
+    tmp_path, monkeypatch
+):
+    """A later callback changed the state, so each worker rewrites its
+    epoch backup at the next epoch's start. Worker 0 rewrote its last one
+    (it holds backup 3, the rewrite of epoch 2, and backup 1, epoch 1's);
+    worker 1 died before its rewrite (it holds backup 2, epoch 2 as it was
+    at the epoch's end, and backup 1): both resume backup 1."""
+    backup_dir = tmp_path / "backup"
+    _FakeCluster(monkeypatch, {"worker-1": -1}, {"worker-1": -1}, {"worker-1": 1})
+    x, y = _regression_data()
+    model = _bfloat16_model()
+    rates = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: rates.append(float(model.optimizer.learning_rate)))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+        kmp.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False),
+        _HalveLearningRate(), record])
+    metadata = json.loads((backup_dir / "training_metadata.json").read_text())
+    # Epoch 1's end: 0, its rewrite: 1; epoch 2's end: 2, its rewrite at the
+    # end of training: 3, which keeps epoch 1's as previous.
+    assert (metadata["epoch"], metadata["weights"]) == (2, "backup-000003.weights.h5")
+    assert metadata["previous"]["weights"] == "backup-000001.weights.h5"
+    assert sorted(os.listdir(backup_dir)) == [
+        "backup-000001.weights.h5", "backup-000003.weights.h5", "training_metadata.json"]
+
+    cluster = _FakeCluster(monkeypatch, {"worker-1": 2}, {"worker-1": 1}, {"worker-1": 1})
+    resumed = _bfloat16_model()
+    began = []
+    resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+        kmp.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False),
+        keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: began.append(
+            (epoch, float(resumed.optimizer.learning_rate))))])
+    assert cluster.sent == [3, 1, 1]
+    # Epoch 1's backup, with the learning rate the callback lowered after it.
+    assert began == [(1, rates[1])] and rates[1] == rates[0] * 0.5
 
 
 def test_the_chief_deletes_its_own_backups_never_a_worker_folder(tmp_path, monkeypatch):
@@ -600,7 +762,8 @@ def test_the_chief_deletes_its_own_backups_never_a_worker_folder(tmp_path, monke
     and one that vanishes between the chief's listing and its next look is no
     error (it crashed the chief on CI)."""
     backup_dir = tmp_path / "backup"
-    _FakeCluster(monkeypatch, {"worker-1": -1, "worker-2": -1}, {"worker-1": 1, "worker-2": 1})
+    _FakeCluster(monkeypatch, {"worker-1": -1, "worker-2": -1}, {"worker-1": -1, "worker-2": -1},
+                 {"worker-1": 1, "worker-2": 1})
     still_training = backup_dir / "worker-2"
     still_training.mkdir(parents=True)
     (still_training / "training_metadata.json").write_text("{}")

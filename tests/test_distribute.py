@@ -16,6 +16,8 @@ import tensorflow as tf
 
 import kmp
 from _helpers import TrainableWeightsPerStep
+from _helpers import assert_close_to_float16_rounding
+from _helpers import float16_tolerance
 from _helpers import free_ports
 from kmp import distribute as kmp_distribute
 
@@ -322,12 +324,21 @@ def test_jit_and_steps_per_execution_keep_skip_semantics(
     model, history, (monitor,) = _fit_with(jit_compile, steps_per_execution)
     assert history["skipped_steps"] == reference_history["skipped_steps"]
     assert history["loss_scale"] == reference_history["loss_scale"]
-    np.testing.assert_allclose(history["loss"], reference_history["loss"], rtol=1e-5)
     assert int(model.optimizer.iterations.numpy()) == _STEPS - len(_OVERFLOW_STEPS)
     assert monitor.epoch_summaries[0]["skipped"] == reference_summaries[0]["skipped"]
     assert monitor.epoch_summaries[0]["steps"] == reference_summaries[0]["steps"] == _STEPS
+    # The eager reference and a traced or XLA-compiled step run different
+    # float16 kernels (on a CPU with AVX512_FP16, oneDNN fuses a matmul with
+    # its bias add in one and not the other): the same steps, skipped and
+    # applied alike (exact above), agree to one float16 rounding.
+    # Weights to one rounding of the largest weight: a bias near zero
+    # carries the absolute error of the steps that moved it, not one
+    # relative to itself.
+    assert_close_to_float16_rounding(history["loss"], reference_history["loss"], roundings=1)
+    largest = np.concatenate([np.ravel(w) for w in reference_weights])
+    tolerance = float16_tolerance(largest, roundings=1)
     for a, b in zip(model.get_weights(), reference_weights):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, **tolerance)
 
 
 @pytest.fixture(scope="module")

@@ -215,7 +215,7 @@ def export(
 
 
 def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mode=True):
-    """Loads a `.keras` file and makes it compute under `policy`.
+    """Loads a `.keras` (or legacy `.h5`) file and makes it compute under `policy`.
 
     The weights are float32 under every policy and are loaded unchanged; the
     layers' compute dtypes follow `policy` by the rule of `kmp.export` (a
@@ -227,8 +227,17 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
     gets a `kmp.LossScaleOptimizer` around its loaded optimizer (unless it is
     a `kmp.Model` compiled with `loss_scale=None`).
 
+    A legacy `.h5` file loads as Keras loads it (a functional `kmp.Model`
+    comes back as one, with its policies and its loss scale; a subclassed
+    model, as for `keras.Model`, only if it is functional and given in
+    `custom_objects`). Keras builds the optimizer of an `.h5` model for none
+    of its variables, so it restores no slot variables and, in Keras 3.15,
+    cannot train on (`fit` raises "Unknown variable"), for `keras.Model`
+    alike: prefer `.keras` files.
+
     Args:
-        filepath: String or `pathlib.Path`. A `.keras` file.
+        filepath: String or `pathlib.Path`. A `.keras` file, or a legacy
+            `.h5` file.
         policy: Optional string or `kmp.Policy`. `"float32"`,
             `"mixed_float16"`, `"mixed_bfloat16"` or `"auto"`. Defaults to
             `None`: the policies stored in the file.

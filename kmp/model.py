@@ -566,6 +566,16 @@ class FunctionalModel(Model, _keras_internals.Functional):
     input layer), so a `.keras` round trip keeps them.
     """
 
+    def __init__(self, *args, **kwargs):
+        if type(self) is FunctionalModel and len(args) < 3 and kwargs.get("name") is None:
+            # Keras names a model after `type(self).__name__`, which is the
+            # registered name (see below): the default stays
+            # "functional_model", "functional_model_1", ... as Keras' own
+            # counter numbers it.
+            uid = keras.backend.get_uid("functional_model")
+            kwargs["name"] = "functional_model" if uid == 1 else f"functional_model_{uid - 1}"
+        super().__init__(*args, **kwargs)
+
     @property
     def layers(self):
         layers = super().layers
@@ -598,3 +608,14 @@ class FunctionalModel(Model, _keras_internals.Functional):
         if dtype is not None:
             model.dtype_policy = keras.dtype_policies.deserialize(dtype)
         return _restore_keep_float32(model, entries)
+
+
+# Keras' legacy `.h5` writer records the saved model's class as
+# `type(model).__name__` (every object inside it by its registered name), and
+# its loader finds a class only under a registered name, in custom_objects or
+# among Keras' own layers and models: a file naming "FunctionalModel" would
+# load only with `custom_objects`. The class presents its registered name as
+# its `__name__`, so `.h5` files name it as `.keras` files do and Keras' own
+# lookup finds it; `__qualname__` keeps the Python name (`repr`, pickling)
+# and `__init__` keeps the models' default names.
+FunctionalModel.__name__ = keras.saving.get_registered_name(FunctionalModel)

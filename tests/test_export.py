@@ -361,3 +361,149 @@ def test_load_float32_file_under_float16_adds_loss_scaling_keeps_slots(tmp_path)
     # A step may overflow at 2**15 in float16: skipped, it is not applied.
     skipped = int(loaded.optimizer.skipped_steps)
     assert int(loaded.optimizer.iterations) == 4 - skipped
+
+
+# --- Keras' legacy .h5 format --------------------------------------------------
+
+
+def _trained_h5_model(path):
+    """A mixed_float16 kmp.Model trained until its loss scale grew, saved to
+    the legacy `.h5` format at `path`."""
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((3,))
+    model = kmp.Model(inputs, keras.layers.Dense(2, name="out")(inputs))
+    # SGD has no slot variables, which Keras' .h5 loader would not restore
+    # (it builds the optimizer for the model's own variables, none for a
+    # functional model). A loss object: Keras 3 cannot rebuild a string loss
+    # such as "mse" from an .h5 file ("Could not deserialize
+    # 'keras.metrics.mse'"), for keras.Model as well.
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=4.0, dynamic_growth_steps=2
+    )
+    model.compile(optimizer=optimizer, loss=keras.losses.MeanSquaredError())
+    x = _data(6)[:, :3]
+    model.fit(x, np.zeros((6, 2)), batch_size=2, verbose=0)
+    model.save(path)
+    kmp.set_policy("float32")  # the file, not the global policy, must say mixed_float16
+    return model, x
+
+
+@pytest.mark.parametrize("loader", ["keras.saving.load_model", "kmp.load_model"])
+def test_h5_file_loads_back_as_the_kmp_model_it_was(tmp_path, loader):
+    path = tmp_path / "model.h5"
+    model, x = _trained_h5_model(path)
+    assert float(model.optimizer.loss_scale) == 8.0  # grew once in 3 steps
+    load = keras.saving.load_model if loader == "keras.saving.load_model" else kmp.load_model
+
+    loaded = load(path)
+
+    assert type(loaded) is type(model)
+    assert loaded.name == model.name
+    assert loaded.dtype_policy.name == "mixed_float16"
+    assert [layer.dtype_policy.name for layer in loaded.layers[1:]] == ["mixed_float16"]
+    for saved, restored in zip(model.weights, loaded.weights, strict=True):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert type(loaded.optimizer) is kmp.LossScaleOptimizer
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    assert float(loaded.optimizer.loss_scale) == float(model.optimizer.loss_scale)
+    for name, counter in model.optimizer.counters.items():
+        assert int(loaded.optimizer.counters[name]) == int(counter), name
+
+
+def test_h5_file_loads_under_another_policy(tmp_path):
+    path = tmp_path / "model.h5"
+    model, x = _trained_h5_model(path)
+
+    loaded = kmp.load_model(path, policy="float32")
+
+    assert type(loaded) is type(model)
+    assert loaded.layers[1].compute_dtype == "float32"
+    for saved, restored in zip(model.weights, loaded.weights, strict=True):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+    # float32 math on the same weights: the float16 model's outputs, to its rounding.
+    assert_close_to_float16_rounding(
+        model.predict(x, verbose=0), loaded.predict(x, verbose=0), roundings=AGAINST_FLOAT32
+    )
+
+
+def _fit_outcome(model, x):
+    """What `fit` does: ("trained",) or ("raised", its type, Keras' message
+    without the wrapping `Cond.call()` adds)."""
+    try:
+        model.fit(x, np.zeros((len(x), 2)), batch_size=2, verbose=0)
+    except ValueError as error:
+        message = str(error)
+        if "\x1b[1m" in message:  # Keras' "Exception encountered when calling ..."
+            message = message.split("\x1b[1m", 1)[1].split("\x1b[0m", 1)[0]
+        return ("raised", type(error), message)
+    return ("trained",)
+
+
+def test_h5_loaded_model_trains_on_as_a_keras_model_does(tmp_path):
+    # Keras' .h5 loader builds the optimizer for `model._trainable_variables`
+    # (the model's own variables: none for a functional model), so in Keras
+    # 3.15 a keras.Model loaded from .h5 cannot train on. kmp must do what
+    # keras.Model does, whichever way Keras goes.
+    model, x = _trained_h5_model(tmp_path / "kmp.h5")
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((3,))
+    reference = keras.Model(inputs, keras.layers.Dense(2, name="out")(inputs))
+    reference.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+        loss=keras.losses.MeanSquaredError(),
+    )
+    reference.fit(x, np.zeros((6, 2)), batch_size=2, verbose=0)
+    reference.save(tmp_path / "keras.h5")
+    kmp.set_policy("float32")
+
+    loaded = keras.saving.load_model(tmp_path / "kmp.h5")
+    loaded_reference = keras.saving.load_model(tmp_path / "keras.h5")
+
+    assert _fit_outcome(loaded, x) == _fit_outcome(loaded_reference, x)
+
+
+def _layers_in_call_model(base):
+    class LayersInCall(base):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    return LayersInCall, LayersInCall()
+
+
+def _functional_subclass_model(base):
+    class FunctionalSubclass(base):
+        def __init__(self, **kwargs):
+            inputs = keras.Input((2,))
+            super().__init__(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+
+    return FunctionalSubclass, FunctionalSubclass()
+
+
+def _h5_round_trip(make, base, path):
+    """("loaded", class name, weights equal) or ("raised", type, message)."""
+    cls, model = make(base)
+    model(np.ones((1, 2)))
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError())
+    model.save(path)
+    try:
+        loaded = keras.saving.load_model(path, custom_objects={cls.__name__: cls})
+    except ValueError as error:
+        return ("raised", type(error), str(error))
+    equal = all(
+        np.array_equal(a, b) for a, b in zip(model.get_weights(), loaded.get_weights(), strict=True)
+    )
+    return ("loaded", type(loaded).__name__, equal, isinstance(loaded, base))
+
+
+@pytest.mark.parametrize("make", [_layers_in_call_model, _functional_subclass_model])
+def test_h5_round_trip_of_a_subclassed_model_as_keras_model_does(tmp_path, make):
+    # Keras 3 loads a functional subclass from .h5 (given its class) and not a
+    # model whose layers are built in __init__ and called in call() ("Layer
+    # count mismatch"): a kmp.Model subclass does the same, as a kmp.Model.
+    expected = _h5_round_trip(make, keras.Model, tmp_path / "keras.h5")
+    assert _h5_round_trip(make, kmp.Model, tmp_path / "kmp.h5") == expected

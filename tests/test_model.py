@@ -442,3 +442,27 @@ def test_adds_loss_scaling_optimizer(policy, compile_kwargs, scaled):
     ours, theirs = histories
     # The training call returns its input: the mse of ones against zeros.
     assert ours == theirs == {"loss": [1.0]}
+
+
+def test_functional_models_are_named_as_keras_names_a_class_called_functional_model():
+    # FunctionalModel's __name__ is its registered name, "kmp>FunctionalModel"
+    # (so that legacy .h5 files name it so); its models keep the names Keras
+    # gives a class called FunctionalModel, from the same counter.
+    class Reference(keras.Model):
+        pass
+
+    Reference.__name__ = "FunctionalModel"
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+    names = [
+        kmp.Model(inputs, outputs).name,
+        Reference(inputs, outputs).name,
+        kmp.Model(inputs, outputs).name,
+    ]
+    stem = names[1].rsplit("_", 1)[0] if names[1][-1].isdigit() else names[1]
+    assert stem == "functional_model"
+    assert len(set(names)) == 3
+    assert all(name == stem or name.startswith(stem + "_") for name in names)
+    assert kmp.Model(inputs, outputs, name="mine").name == "mine"
+    assert FunctionalModel.__name__ == keras.saving.get_registered_name(FunctionalModel)
+    assert FunctionalModel.__qualname__ == "FunctionalModel"

@@ -214,7 +214,8 @@ def test_model(case, model_type, request, tmp_path):
         pytest.skip("Keras 3 no longer has it: its legacy .h5 format does not round-trip "
                     "a subclassed model (a registered keras.Model subclass saved to .h5 "
                     "fails to load: 'Layer count mismatch ... expected 0 layers'), as "
-                    "tf-keras' did not (the original's own skip).")
+                    "tf-keras' did not (the original's own skip); tests/test_export.py holds "
+                    "kmp.Model subclasses to keras.Model's outcome there.")
     strategy = (request.getfixturevalue("mirrored_strategy") if strategy_name == "mirrored"
                 else tf.distribute.get_strategy())
     use_regularizer = options.get("use_regularizer", False)
@@ -259,9 +260,19 @@ def test_model(case, model_type, request, tmp_path):
         model = keras.saving.load_model(path, custom_objects=custom)
         layer = _the_multiply_layer(model)
         assert _value(layer.v) == expected
-        # Training goes on from there.
-        model.fit(dataset, verbose=0)
-        assert _value(layer.v) == expected - step
+        if save_format == "h5":
+            # Not in Keras 3.15: its .h5 loader builds the optimizer for none
+            # of a functional model's variables, so a keras.Model loaded from
+            # .h5 cannot train on either (tests/test_export.py's
+            # test_h5_loaded_model_trains_on_as_a_keras_model_does holds kmp
+            # to keras.Model there). Should Keras fix it, this fails: then
+            # restore the original's check below for h5 as well.
+            with pytest.raises(ValueError, match="Unknown variable"):
+                model.fit(dataset, verbose=0)
+        else:
+            # Training goes on from there.
+            model.fit(dataset, verbose=0)
+            assert _value(layer.v) == expected - step
         # Loading again gives the saved value back.
         model = keras.saving.load_model(path, custom_objects=custom)
         layer = _the_multiply_layer(model)
@@ -566,14 +577,17 @@ def test_save_model_with_dynamic_loss_scaling(strategy, save_format, tmp_path):
     # Original: KerasModelTest.test_save_model_with_dynamic_loss_scaling. The
     # original accepts the loss scale saved or as initialized; kmp promises
     # that `.keras` files carry it (kmp.LossScaleOptimizer's docstring:
-    # "Checkpoints and .keras files carry the state"), so this port asks for
-    # the saved values there.
+    # "Checkpoints and .keras files carry the state") and its .h5 files do as
+    # well, so this port asks for the saved values in both.
     with strategy.scope():
         inputs = keras.Input((2,))
         model = kmp.Model(inputs, MultiplyLayer()(inputs))
         opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=1.0,
                                      dynamic_growth_steps=2.0)
-        model.compile(optimizer=opt, loss="mse")
+        # The original's loss="mse" as an object: Keras 3 cannot rebuild a
+        # string loss from an .h5 file ("Could not deserialize
+        # 'keras.metrics.mse'"), for keras.Model as well.
+        model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError())
     # 3 steps (6 examples, batches of 2).
     model.fit(np.ones((6, 2)), np.zeros((6, 2)), batch_size=2, verbose=0)
     assert _value(opt.loss_scale) == 2
@@ -591,12 +605,10 @@ def test_save_model_with_dynamic_loss_scaling(strategy, save_format, tmp_path):
     model = keras.saving.load_model(path, custom_objects={"MultiplyLayer": MultiplyLayer})
     (weight,) = model.trainable_weights
     assert _value(weight) == orig_weight
-    if save_format == "keras":
-        assert _value(model.optimizer.loss_scale) == 2
-        assert _value(model.optimizer.counters["good_steps"]) == 1
-    else:  # the original's allowance: saved, or as initialized
-        assert _value(model.optimizer.loss_scale) in (1, 2)
-        assert _value(model.optimizer.counters["good_steps"]) in (0, 1)
+    # .h5 files carry it too: Keras' loader restores the optimizer's own
+    # variables (the scale and counters come first), not slot variables.
+    assert _value(model.optimizer.loss_scale) == 2
+    assert _value(model.optimizer.counters["good_steps"]) == 1
     assert model.optimizer.initial_scale == 1.0
     assert model.optimizer.dynamic_growth_steps == 2
     assert type(model.optimizer) is kmp.LossScaleOptimizer

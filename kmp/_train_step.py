@@ -361,16 +361,25 @@ def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
         return count + 1, retry, ops.cast(loss, "float32"), finite, deferred
 
     count, retry, loss, finite, deferred = attempt(ops.convert_to_tensor(0))
+    # A sparse gradient (an embedding's `IndexedSlices`) enters the loop as
+    # its values and indices: its dense shape stays the first attempt's
+    # constant, which XLA needs to compile the sparse update.
+    dense_shapes = [getattr(g, "dense_shape", None) for g in deferred.grads]
+
+    def parts(grads):
+        return [(g.values, g.indices) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
     def redo(count, retry, loss, finite, grads, scale):
         count, retry, loss, finite, again = attempt(count)
-        return count, retry, loss, finite, again.grads, again.scale
+        return count, retry, loss, finite, parts(again.grads), again.scale
 
     _, _, loss, finite, grads, scale = tf.while_loop(
         lambda count, retry, *_: retry,
         redo,
-        (count, retry, loss, finite, deferred.grads, deferred.scale),
+        (count, retry, loss, finite, parts(deferred.grads), deferred.scale),
     )
+    grads = [g if shape is None else tf.IndexedSlices(g[0], g[1], shape)
+             for g, shape in zip(grads, dense_shapes)]
     deferred.apply_if(finite, grads, scale)
     # The loss of the attempt that counted, for the monitor's logs.
     record.last_loss = loss

@@ -273,3 +273,38 @@ def test_xla_and_graph_steps_train_alike_with_retries():
     assert float(xla.optimizer.loss_scale) == float(graph.optimizer.loss_scale)
     assert int(xla.optimizer.iterations) == int(graph.optimizer.iterations) == 4
     np.testing.assert_allclose(xla.get_weights()[0], graph.get_weights()[0], rtol=2e-3, atol=1e-4)
+
+
+def test_a_train_step_the_user_compiles_retries_an_embedding_as_without_xla():
+    """The retry loop inside a train step compiled by the user's own jit
+    function carries an embedding's sparse gradient: the same retries, scale
+    and weights as the same step without XLA."""
+    def run(jit_compile):
+        kmp.set_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,), dtype="int32")
+        x = keras.layers.Embedding(50, 4)(inputs)
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        model = kmp.Model(inputs, keras.layers.Dense(1)(x))
+        model.compile(keras.optimizers.SGD(1e-3, momentum=0.9), "mse")
+        # Targets ~3000: the first gradients overflow float16 at 2**15.
+        x = np.array([[1, 2, 3], [4, 5, 6]], "int32")
+        y = np.full((2, 1), 3000.0, "float32")
+        model.fit(x, y, epochs=1, verbose=0)  # builds; retries settle the scale
+        model.make_train_function()
+        step = model.train_step
+        function = tf.function(lambda data: step(data), jit_compile=jit_compile)
+        before = int(model.optimizer.counters["retries"])
+        for _ in range(3):
+            logs = function((tf.constant(x), tf.constant(y * 64)))
+        return model, int(model.optimizer.counters["retries"]) - before, logs
+
+    graph, graph_retries, _ = run(False)
+    xla, xla_retries, logs = run(True)
+    # The 64x larger targets overflow at the settled scale: each step gets
+    # its one retry, as without XLA, and the skips are the same.
+    assert xla_retries == graph_retries >= 1
+    assert int(logs["skipped_steps"]) == int(graph.optimizer.skipped_steps)
+    assert float(xla.optimizer.loss_scale) == float(graph.optimizer.loss_scale)
+    for xla_weight, graph_weight in zip(xla.get_weights(), graph.get_weights()):
+        np.testing.assert_allclose(xla_weight, graph_weight, rtol=2e-3, atol=1e-5)

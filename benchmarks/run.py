@@ -121,8 +121,8 @@ def _parse_args(argv):
     parser.add_argument("--out", default="results", help="results folder (default: results/)")
     parser.add_argument("--workloads", default=None,
                         help="comma-separated subset of: mlp, convnet, transformer, many_variables, "
-                             "resnet50 (default: the first four on a CPU; mlp, resnet50, transformer "
-                             "on a GPU)")
+                             "large_state, resnet50 (default: all but resnet50 on a CPU; mlp, "
+                             "resnet50, transformer on a GPU)")
     parser.add_argument("--jit", choices=("off", "on", "both"), default=None,
                         help="jit_compile settings to run (default: both on a CPU, off with "
                              "--quick; on with a GPU, both with --smoke; on JAX, on only)")

@@ -136,6 +136,20 @@ def _many_variables_data(s, rng):
     return x, y
 
 
+def _large_state(model_class, s):
+    inputs = keras.Input((s["tokens"],), dtype="int32")
+    x = keras.layers.Embedding(s["vocab"], s["dim"])(inputs)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(s["classes"])(x)
+    return model_class(inputs, outputs)
+
+
+def _large_state_data(s, rng):
+    x = rng.integers(0, s["vocab"], (s["batch"], s["tokens"])).astype(np.int32)
+    y = rng.integers(0, s["classes"], (s["batch"],))
+    return x, y
+
+
 # Sizes per mode. float16 is emulated on CPUs without native float16 math and
 # runs several times slower than float32, which bounds how large these can be.
 _SIZES = {
@@ -161,6 +175,14 @@ _SIZES = {
         "quick": dict(batch=8, image=32, classes=10),
         "smoke": dict(batch=2, image=32, classes=4),
     },
+    "large_state": {
+        # Much state, little compute: a step's cost is mostly reading and
+        # writing the 200000 x 64 table and its slots, so a copy of a
+        # variable shows in its time.
+        "full": dict(batch=32, tokens=8, vocab=200000, dim=64, classes=10),
+        "quick": dict(batch=32, tokens=8, vocab=50000, dim=64, classes=10),
+        "smoke": dict(batch=4, tokens=2, vocab=1000, dim=8, classes=4),
+    },
     "many_variables": {
         # 50 blocks = 100 Dense/LayerNorm layers (+ the output Dense), 202
         # variables. Tracing time grows with the layer count, so --quick
@@ -181,6 +203,7 @@ _GPU_SIZES = {
                         blocks=12, classes=2),
     "convnet": dict(batch=256, image=32, filters=(64, 128, 256), classes=10),
     "many_variables": dict(batch=256, width=256, blocks=50, classes=10),
+    "large_state": dict(batch=256, tokens=16, vocab=2000000, dim=128, classes=10),
 }
 
 _DEFINITIONS = {
@@ -189,10 +212,12 @@ _DEFINITIONS = {
     "transformer": ("Transformer encoder (attention + LayerNorm)", _transformer, _transformer_data),
     "many_variables": ("many small variables (Dense + LayerNorm blocks)", _many_variables, _many_variables_data),
     "resnet50": ("ResNet50 (keras.applications, BatchNorm)", _resnet50, _convnet_data),
+    "large_state": ("large state, little compute (one Embedding table)", _large_state,
+                    _large_state_data),
 }
 
 # What a run covers unless `--workloads` says otherwise.
-WORKLOAD_NAMES = ("mlp", "convnet", "transformer", "many_variables")
+WORKLOAD_NAMES = ("mlp", "convnet", "transformer", "many_variables", "large_state")
 GPU_WORKLOAD_NAMES = ("mlp", "resnet50", "transformer")
 ALL_WORKLOAD_NAMES = tuple(_DEFINITIONS)
 

@@ -39,6 +39,7 @@ uses it says more):
 | `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `loss_scale.py` | discard a window with an overflow |
 | `Optimizer._clip_gradients` | `clip_gradients` | `loss_scale.py` | under several replicas, clip the gradients summed over replicas with the inner optimizer's own rule (Keras clips each replica's share) |
 | `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `_replicas.py`, `_train_step.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
+| `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `_train_step.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where kmp's retry loop carries gradients instead of variables |
 | `tf.compat.v1.get_default_graph` | `default_graph` | `loss_scale.py` | whether a recorded loss belongs to the graph being traced |
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `_jax.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
 | `Trainer._loss_tracker` | `loss_tracker` | `_train_step.py`, `_jax.py` | whether a step computed a loss, for the loss a skipped step logs |
@@ -322,6 +323,21 @@ def supports_no_merge_call():
     `tf.while_loop`, which TensorFlow refuses around a `merge_call`.
     """
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def in_xla_context():
+    """Whether the function being traced is compiled by XLA.
+
+    TensorFlow's `control_flow_util.GraphOrParentsInXlaContext`: no public API
+    tells whether a `tf.function` (or one it is nested in) has
+    `jit_compile=True`, and there kmp's train step takes another shape (see
+    `kmp._train_step._retry_overflows`): XLA gives a conditional's outputs
+    buffers of their own, so a branch that may write the variables copies
+    them even when it does not run.
+    """
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def default_graph():

@@ -21,6 +21,7 @@ from keras import ops
 
 from kmp import _keras_internals
 from kmp import _optimizers
+from kmp import distribute as distribute_module
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
 
@@ -146,9 +147,22 @@ def run_train_step(model, data, keras_train_step):
         # trainable weights): no step to skip or redo.
         or not model.trainable_weights
     ):
-        return keras_train_step(data)
+        logs = keras_train_step(data)
+        if getattr(model, "_kmp_attempt", None) is not None and isinstance(logs, dict):
+            logs = dict(logs, **{distribute_module.RETRY_LOG: ops.convert_to_tensor(False)})
+        return logs
     retries = retry_budget(model, optimizer)
-    if retries is not None:
+    attempt = getattr(model, "_kmp_attempt", None)
+    retry = None
+    if retries is not None and attempt is not None:
+        # kmp's train function redoes the batch around this compiled step
+        # (see `kmp.distribute.make_function`): one attempt here.
+        optimizer._kmp_record.retries_left = retries - attempt
+        try:
+            _, retry = _one_attempt(model, data, optimizer, keras_train_step)
+        finally:
+            optimizer._kmp_record.retries_left = None
+    elif retries is not None:
         _retry_overflows(model, data, optimizer, retries, keras_train_step)
     else:
         _one_attempt(model, data, optimizer, keras_train_step)
@@ -156,6 +170,10 @@ def run_train_step(model, data, keras_train_step):
     if "loss" in logs:
         logs["loss"] = ops.where(
             _keras_internals.loss_tracker(model).count > 0, logs["loss"], skipped_losses.result()
+        )
+    if attempt is not None:
+        logs[distribute_module.RETRY_LOG] = (
+            ops.convert_to_tensor(False) if retry is None else ops.cast(retry, "bool")
         )
     return logs
 
@@ -260,7 +278,8 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     The first attempt is straight-line code; a `tf.while_loop` redoes the
     batch only when it overflowed (a `tf.cond`). Under a
     strategy every replica takes the same decision (on all-reduced
-    gradients), so all retry together.
+    gradients), so all retry together. Under XLA the loop takes another
+    shape (`_retry_overflows_compiled`).
     """
     if not _keras_internals.supports_no_merge_call():
         raise ValueError(
@@ -271,6 +290,10 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
             "merge_call, which TensorFlow refuses inside the retry loop. "
             "Received: overflow_retries=" f"{retries}"
         )
+
+    if _keras_internals.in_xla_context():
+        _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
+        return
 
     def attempt(count, retry, loss):
         # An input of the scaler's step (see `kmp.loss_scale._step`).
@@ -297,6 +320,69 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     loss = tf.cond(retry, lambda: redo(count, retry, loss), lambda: loss)
     # The loss of the attempt that counted, for the monitor's logs.
     optimizer._kmp_record.last_loss = loss
+
+
+def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step):
+    """`_retry_overflows` under XLA: the loop carries gradients, not variables.
+
+    ```
+    grads, finite, retry = attempt(0)    # forward, backward, check, scale;
+    while retry:                         # nothing applied yet
+        grads, finite, retry = attempt(count)
+    if finite:
+        apply(grads)                     # once, after the loop
+    ```
+
+    XLA compiles both branches of a conditional and every loop body, and
+    gives their outputs buffers of their own: a loop or a branch that may
+    write the variables (a whole step redone) copies every weight and slot
+    on every step, even when it does not run (a `tf.cond` around the retry
+    loop copied each kernel and slot twice per step). Here no loop or branch
+    writes a variable but the apply, whose skip branch alone copies them.
+    Without XLA, where a branch not taken costs its ops and no copies,
+    `_retry_overflows` keeps the loop that redoes whole steps.
+    """
+    record = optimizer._kmp_record
+
+    def attempt(count):
+        # Inputs of the scaler's step (see `kmp.loss_scale._step`).
+        record.retries_left, record.defer, record.deferred = retries - count, True, None
+        try:
+            loss, retry = _one_attempt(model, data, optimizer, keras_train_step)
+            deferred, finite = record.deferred, record.finite
+        finally:
+            record.retries_left, record.defer, record.deferred = None, False, None
+        if deferred is None:  # the step applied no gradients through this scaler
+            raise ValueError(
+                "`overflow_retries` redoes batches whose gradients the model's optimizer "
+                f"applies; this train step applied none through {optimizer.name}. "
+                "Compile it with overflow_retries=0."
+            )
+        return count + 1, retry, ops.cast(loss, "float32"), finite, deferred
+
+    count, retry, loss, finite, deferred = attempt(ops.convert_to_tensor(0))
+    # A sparse gradient (an embedding's `IndexedSlices`) enters the loop as
+    # its values and indices: its dense shape stays the first attempt's
+    # constant, which XLA needs to compile the sparse update.
+    dense_shapes = [getattr(g, "dense_shape", None) for g in deferred.grads]
+
+    def parts(grads):
+        return [(g.values, g.indices) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+    def redo(count, retry, loss, finite, grads, scale):
+        count, retry, loss, finite, again = attempt(count)
+        return count, retry, loss, finite, parts(again.grads), again.scale
+
+    _, _, loss, finite, grads, scale = tf.while_loop(
+        lambda count, retry, *_: retry,
+        redo,
+        (count, retry, loss, finite, parts(deferred.grads), deferred.scale),
+    )
+    grads = [g if shape is None else tf.IndexedSlices(g[0], g[1], shape)
+             for g, shape in zip(grads, dense_shapes)]
+    deferred.apply_if(finite, grads, scale)
+    # The loss of the attempt that counted, for the monitor's logs.
+    record.last_loss = loss
 
 
 def scaler_logs(model, applied, retrying=False):

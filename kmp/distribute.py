@@ -36,6 +36,9 @@ from kmp import _keras_internals
 # scaler's state, which is decided on all-reduced gradients): they need no
 # reduction across replicas.
 _REPLICA_INVARIANT_LOGS = ("loss_scale", "skipped_steps")
+# The log by which an XLA-compiled train step asks its train function to
+# redo the batch (see `make_function`); never in the logs `fit` sees.
+RETRY_LOG = "_kmp_retry"
 
 _SUPPORTED_STRATEGIES = (
     "the default strategy, tf.distribute.OneDeviceStrategy, "
@@ -148,7 +151,7 @@ def reduce_logs(logs, strategy):
 _ITERATORS = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
 
-def train_or_test_function(model, step_function, keras_function):
+def train_or_test_function(model, step_function, keras_function, retries=False):
     """The function that `fit` (or `evaluate`) calls for `step_function`.
 
     kmp's own (`make_function`) under `MultiWorkerMirroredStrategy`, where
@@ -161,22 +164,29 @@ def train_or_test_function(model, step_function, keras_function):
     replicas on one machine, `steps_per_execution > 1`, `run_eagerly`,
     `train_on_batch`'s generator) goes to `keras_function`.
 
+    With `retries` (a train step compiled by XLA whose overflowing batches
+    kmp redoes), kmp's own for `tf.data` iterators with one replica whatever
+    `steps_per_execution`: it redoes a batch by calling the compiled step
+    again (see `make_function`).
+
     Args:
         model: `keras.Model`. The model being trained.
         step_function: Callable. `model.train_step` or `model.test_step`.
         keras_function: Keras' own function for it (`model.train_function`
             as `Model.make_train_function` set it).
+        retries: Bool. Whether the function redoes overflowing batches
+            around an XLA-compiled step. Defaults to `False`.
     """
     strategy = model.distribute_strategy
     if is_multi_worker(strategy):
         return make_function(model, step_function)
     if (
         model.run_eagerly
-        or model.steps_per_execution != 1
+        or (model.steps_per_execution != 1 and not retries)
         or strategy.num_replicas_in_sync != 1
     ):
         return keras_function
-    direct = make_function(model, step_function)
+    direct = make_function(model, step_function, retries=retries)
 
     def function(iterator):
         if isinstance(iterator, _ITERATORS):
@@ -186,7 +196,7 @@ def train_or_test_function(model, step_function, keras_function):
     return function
 
 
-def make_function(model, step_function):
+def make_function(model, step_function, retries=False):
     """Returns a train (or test) function that runs `step_function` per batch.
 
     It does what Keras' `TensorFlowTrainer._make_function` does (runs
@@ -215,6 +225,19 @@ def make_function(model, step_function):
     (Keras 3.7 and later: steps per iteration of the loop, each after the
     first guarded by a cond) are honoured as in Keras.
 
+    With `retries` (a train step compiled by XLA), a batch whose gradients
+    overflowed is redone here, by calling the compiled step again on it:
+
+    ```
+    logs = step(batch, attempt=0)          # one XLA program: one attempt
+    while logs.pop(RETRY_LOG):             # the scale has backed off
+        logs = step(batch, attempt=1, 2, ...)
+    ```
+
+    The step is compiled once, and XLA sees no loop or branch that may
+    write the variables: each would get buffers of its own and copy every
+    weight and slot on every step (see `kmp._train_step.run_train_step`).
+
     Returns:
         A function of a `tf.data` or distributed iterator that returns the
         logs of the last step it ran.
@@ -222,13 +245,20 @@ def make_function(model, step_function):
     strategy = model.distribute_strategy
 
     @tf.autograph.experimental.do_not_convert
-    def one_step_on_data(data):
+    def one_step_on_data(data, attempt=None):
         # A generator's missing values (no sample weights) arrive as empty
         # Optionals, as in Keras' own function.
         data = keras.tree.map_structure(
             lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
         )
-        return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
+        if attempt is None:
+            return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
+        # Read by the step as it is traced (`kmp._train_step.run_train_step`).
+        object.__setattr__(model, "_kmp_attempt", attempt)
+        try:
+            return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
+        finally:
+            object.__setattr__(model, "_kmp_attempt", None)
 
     if not model.run_eagerly:
         one_step_on_data = tf.function(
@@ -246,13 +276,27 @@ def make_function(model, step_function):
             ),
         )
 
+    def step_on_data(data):
+        if not retries:
+            return one_step_on_data(data)
+        logs = dict(one_step_on_data(data, tf.constant(0)))
+        retry = logs.pop(RETRY_LOG)
+
+        def redo(attempt, retry, logs):
+            logs = dict(one_step_on_data(data, attempt))
+            return attempt + 1, logs.pop(RETRY_LOG), logs
+
+        return tf.while_loop(
+            lambda attempt, retry, logs: retry, redo, (tf.constant(1), retry, logs)
+        )[2]
+
     @tf.autograph.experimental.do_not_convert
     def multi_step_on_iterator(iterator):
         steps = model.steps_per_execution
         # Keras' TensorFlow trainer (3.7 and later) runs this many steps per
         # iteration of its loop, each but the first guarded by a cond.
         unrolled = max(1, min(getattr(model, "unrolled_steps_per_execution", 1), steps))
-        logs = one_step_on_data(iterator.get_next())
+        logs = step_on_data(iterator.get_next())
         if steps == 1:
             return logs
 
@@ -262,7 +306,7 @@ def make_function(model, step_function):
             return tf.logical_and(step < steps, next_data.has_value())
 
         def one_step(step, logs, next_data):
-            logs = one_step_on_data(next_data.get_value())
+            logs = step_on_data(next_data.get_value())
             # No batch is taken past the last step of this call.
             next_data = tf.cond(
                 step + 1 < steps,

@@ -291,16 +291,19 @@ class _StepRecord(threading.local):
     replica in its own thread, so each replica's step has its own record.
 
     Written before `apply`: `loss` and `scaled` (by `scale_loss`), `divided`
-    (by `get_unscaled_gradients`), `in_model_step` and `retries_left` (by
-    `kmp.Model`'s train step). `apply` reads and clears the first three and
-    writes `applied`, `finite` (boolean tensor: the gradients were applied),
-    `retry` (boolean tensor or `None`) and `last_loss` (the unscaled loss).
+    (by `get_unscaled_gradients`), `in_model_step`, `retries_left` and
+    `defer` (by `kmp.Model`'s train step). `apply` reads and clears the first
+    three and writes `applied`, `finite` (boolean tensor: the gradients were
+    finite, and applied unless deferred), `retry` (boolean tensor or `None`),
+    `last_loss` (the unscaled loss) and, with `defer`, `deferred` (the
+    `_DeferredApply` the step applies after its retry loop).
     """
 
     def __init__(self):
         self.scaled, self.loss, self.divided = False, None, False
         self.in_model_step, self.retries_left = False, None
         self.applied, self.finite, self.retry, self.last_loss = False, None, None, None
+        self.defer, self.deferred = False, None
 
     def __reduce__(self):
         return _StepRecord, ()  # a copy starts with a fresh record
@@ -564,8 +567,9 @@ def _accumulation_steps(optimizer):
     return getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None) or None
 
 
-def _unscale(optimizer, grads, variables=None):
-    """`grads` divided by the loss scale: the one place kmp unscales.
+def _unscale(optimizer, grads, variables=None, scale=None):
+    """`grads` divided by the loss scale (`scale`, or the current one): the
+    one place kmp unscales.
 
     Variables Keras overwrites with their "gradient" (a BatchNormalization
     moving statistic under some layers) take it as it is, as in Keras' scaler.
@@ -573,8 +577,37 @@ def _unscale(optimizer, grads, variables=None):
     keep = None if variables is None else [
         _keras_internals.overwrites_with_gradient(optimizer, v) for v in variables
     ]
-    scale = optimizer.loss_scale  # one read of the scale, not one per gradient
+    if scale is None:
+        scale = optimizer.loss_scale  # one read of the scale, not one per gradient
     return _gradients.divide(grads, scale, keep)
+
+
+class _DeferredApply:
+    """A step's update, checked and decided but not applied yet.
+
+    Under XLA kmp.Model's retry loop (`kmp._train_step._retry_overflows`)
+    sets `defer` on the record: each attempt then checks its gradients,
+    decides and moves the scale, and leaves its gradients here; the step
+    applies the last attempt's once, after the loop. The loop so carries
+    gradients (temporaries of every step) instead of the variables: XLA
+    gives a loop's and a conditional's outputs buffers of their own, and a
+    loop or branch that may write the variables copies them, on every step.
+
+    Attributes:
+        grads: List of this replica's gradients, as `apply` received them
+            (scaled, unless `min_scale < 1` unscaled them for the check).
+        scale: Float32 scalar: the scale they carry.
+    """
+
+    def __init__(self, grads, scale, apply):
+        self.grads, self.scale, self._apply = grads, scale, apply
+
+    def apply_if(self, finite, grads, scale):
+        """Applies `grads` (carrying `scale`) where `finite`: unscaled,
+        clipped and applied by the inner optimizer, as `_step` applies.
+        The skip is a conditional's empty branch: only there does XLA copy
+        the variables."""
+        ops.cond(finite, lambda: self._apply(list(grads), scale), lambda: None)
 
 
 def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
@@ -694,13 +727,28 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     # single micro-batch holds.
     clip_summed = not window and _clips(inner)
 
-    def apply_unscaled(grads, variables):
+    def apply_unscaled(grads, variables, scale=None):
         if divide_later:
-            grads = _unscale(optimizer, grads, variables)
+            grads = _unscale(optimizer, grads, variables, scale)
         grads = _replicas.summable(grads)  # before clipping: Keras' global
         if clip_summed:                     # norm refuses mixed dtypes
             grads = _clip_summed(inner, grads, variables)
         inner.apply(grads, variables)
+
+    record = optimizer._kmp_record
+    if record.defer and not window:
+        # The train step applies once, after its retry loop (see
+        # `_DeferredApply`): the scale these gradients carry is kept for it.
+        scale = _snapshot(optimizer._kmp_scale.value)
+        record.deferred = _DeferredApply(
+            list(grads), scale,
+            lambda grads, scale: replicas.run(
+                lambda grads, variables: apply_unscaled(grads, variables, scale),
+                grads, variables,
+            ),
+        )
+        _update_state(optimizer, decision)
+        return decision.finite, decision.retry
 
     def skip():
         if window:  # only reached on a window's last micro-batch: back to its start

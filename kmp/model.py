@@ -454,8 +454,15 @@ class Model(_keras_internals.ModelBase):
         if not _ON_TENSORFLOW:
             self.train_function = _jax.without_monitor_logs(self, self.train_function)
             return self.train_function
+        # Under XLA kmp's train function redoes an overflowing batch by
+        # calling the compiled step again (see `kmp.distribute.make_function`).
+        retries = bool(
+            self.jit_compile
+            and type(self).train_step is Model.train_step
+            and _train_step.retries_on(self, self.optimizer)
+        )
         keras_train_function = distribute_module.train_or_test_function(
-            self, self.train_step, self.train_function
+            self, self.train_step, self.train_function, retries=retries
         )
 
         def train_function(iterator):

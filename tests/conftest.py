@@ -60,15 +60,24 @@ collect_ignore = (
     if BACKEND == "jax" else list(JAX_ONLY)
 )
 
+# TensorFlow reserves nearly all of a GPU's memory in the first process that
+# touches it; another pytest worker, or a test's child process, would then
+# fail ("cudaSetDevice() on GPU:0 failed. Status: out of memory", or an abort
+# inside fit). Growth allocates only what is used. The environment variable
+# holds by construction: set before TensorFlow is imported in this worker
+# (pytest-xdist starts each worker with this conftest), and inherited by every
+# child, whatever touches the GPU first; children that need no GPU are
+# started without it (`_helpers.child_env`, `CUDA_VISIBLE_DEVICES=""`).
+os.environ["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
+
 import tensorflow as tf  # noqa: E402
 
-# TensorFlow reserves nearly all of a GPU's memory in the first process that
-# touches it; a test's child process would then fail with "cudaSetDevice() on
-# GPU:0 failed. Status: out of memory". Growth allocates only what is used.
-# Like the CPU split below, it must be set before devices initialize.
 GPUS = tf.config.list_physical_devices("GPU")
 for _gpu in GPUS:
-    tf.config.experimental.set_memory_growth(_gpu, True)
+    try:
+        tf.config.experimental.set_memory_growth(_gpu, True)
+    except RuntimeError:  # initialized already: the environment variable holds
+        pass
 
 # Two logical CPU devices let tf.distribute.MirroredStrategy run two replicas
 # here; this must happen before TensorFlow initializes its devices.

@@ -524,3 +524,22 @@ def test_custom_steps_benchmark_measures_each_variant_of_the_loop():
     assert loss["kmp, code unchanged"] == loss["Keras recipe, line forgotten"]
     assert abs(loss["kmp, code unchanged"] - loss["float32"]) > 1e-2
     assert custom_steps.format_table({"loop": runs}).count("\n| loop |") == len(runs)
+
+
+def test_xla_step_benchmark_reports_its_paired_runs_and_hlo_counts(tmp_path):
+    from benchmarks import xla_step
+
+    out = tmp_path / "xla_step.json"
+    assert xla_step.main(["--smoke", "--workloads", "large_state", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["large_state"]
+    assert set(rows) == {name for name, _, _ in xla_step.CONFIGS}
+    for row in rows.values():
+        assert 0 < row["fastest_us"] <= row["median_us"]
+        assert row["dots"] > 0
+    # The ratio against kmp's default is 1 for the default itself.
+    assert rows["kmp default"]["this_over_default"] == 1.0
+    # The HLO the benchmark reads says what tests/test_xla_step.py checks:
+    # kmp's default step, compiled by XLA, has the one conditional of the
+    # skip; without scaling there is none.
+    assert rows["kmp default"]["conditionals"] == rows["kmp overflow_retries=0"]["conditionals"] == 1
+    assert rows["kmp loss_scale=None"]["conditionals"] == 0

@@ -40,6 +40,7 @@ uses it says more):
 | `Optimizer._clip_gradients` | `clip_gradients` | `loss_scale.py` | under several replicas, clip the gradients summed over replicas with the inner optimizer's own rule (Keras clips each replica's share) |
 | `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `_replicas.py`, `_train_step.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
 | `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `_train_step.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where kmp's retry loop carries gradients instead of variables |
+| `tensorflow.python.ops.cond_v2.fast_cond_v2` | `unlowered_cond` | `distribute.py` | the retry of an XLA-compiled step as one `If` op, not a `Switch` per variable on every step |
 | `tf.compat.v1.get_default_graph` | `default_graph` | `loss_scale.py` | whether a recorded loss belongs to the graph being traced |
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `_jax.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
 | `Trainer._loss_tracker` | `loss_tracker` | `_train_step.py`, `_jax.py` | whether a step computed a loss, for the loss a skipped step logs |
@@ -338,6 +339,19 @@ def in_xla_context():
     from tensorflow.python.ops import control_flow_util
 
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def unlowered_cond(pred, true_fn, false_fn):
+    """`tf.cond` as one `If` op that TensorFlow does not lower to switches.
+
+    TensorFlow's `cond_v2.fast_cond_v2`: a lowered cond passes each of its
+    branches' inputs through a `Switch` op of its own on every run, taken or
+    not; a branch that calls a compiled train step takes every variable as
+    an input. Unlowered, the branch not taken costs one op.
+    """
+    from tensorflow.python.ops import cond_v2
+
+    return cond_v2.fast_cond_v2(pred, true_fn, false_fn)
 
 
 def default_graph():

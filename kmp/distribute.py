@@ -282,13 +282,22 @@ def make_function(model, step_function, retries=False):
         logs = dict(one_step_on_data(data, tf.constant(0)))
         retry = logs.pop(RETRY_LOG)
 
-        def redo(attempt, retry, logs):
+        def attempt_again(attempt, retry, logs):
             logs = dict(one_step_on_data(data, attempt))
             return attempt + 1, logs.pop(RETRY_LOG), logs
 
-        return tf.while_loop(
-            lambda attempt, retry, logs: retry, redo, (tf.constant(1), retry, logs)
-        )[2]
+        def redo():
+            return tf.while_loop(
+                lambda attempt, retry, logs: retry,
+                attempt_again,
+                (tf.constant(1), tf.constant(True), logs),
+            )[2]
+
+        # One `If` op that TensorFlow does not lower to switches: the loop
+        # calls the compiled step, whose every variable a lowered cond (or a
+        # bare `tf.while_loop`) would pass through an op of its own on every
+        # step, taken or not (~0.5 ms a step on a CPU for 200 variables).
+        return _keras_internals.unlowered_cond(retry, redo, lambda: logs)
 
     @tf.autograph.experimental.do_not_convert
     def multi_step_on_iterator(iterator):

@@ -100,6 +100,22 @@ import kmp  # noqa: E402,F401
 # one test by "file::name" (every parametrization of it).
 SLOW = (
     "test_benchmarks.py",
+    # Keras' and tf-keras' own tests (tests/peers/): the trainer's and
+    # tf-keras' files, each case a fresh model and trace, run in the whole
+    # suite; Keras' LossScaleOptimizer and sparse-optimizer ports (seconds)
+    # stay in the fast tier.
+    "test_keras_trainer.py",
+    "test_keras_backup_and_restore.py",
+    "test_keras_model_checkpoint.py",
+    "test_tfkeras_loss_scale_optimizer.py",
+    "test_tfkeras_model.py",
+    # XLA compiles of every configuration, and a child process's dump.
+    "test_xla_step.py",
+    # tf-keras' testClipping restated: 12 strategies-by-clips cases (~3 s each).
+    "test_distribute.py::test_clipping",
+    "test_distribute.py::test_whole_batch_clipping_takes_sparse_and_mixed_dtype_gradients",
+    "test_resume.py::test_a_crash_in_a_later_callback_resumes_where_keras_own_backup_resumes",
+    "test_resume.py::test_what_a_later_callback_changes_is_rewritten_into_the_epochs_backup",
     # keras.io's examples and guides, each trained twice (float32, mixed_float16).
     "test_keras_io.py",
     "test_keras_io_jax.py",

@@ -251,9 +251,8 @@ def make_function(model, step_function, retries=False):
         data = keras.tree.map_structure(
             lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
         )
-        if attempt is None:
-            return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
-        # Read by the step as it is traced (`kmp._train_step.run_train_step`).
+        # Read by the step as it is traced (`kmp._train_step.run_train_step`);
+        # `None` where this function does not redo batches.
         object.__setattr__(model, "_kmp_attempt", attempt)
         try:
             return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
@@ -279,12 +278,11 @@ def make_function(model, step_function, retries=False):
     def step_on_data(data):
         if not retries:
             return one_step_on_data(data)
-        logs = dict(one_step_on_data(data, tf.constant(0)))
-        retry = logs.pop(RETRY_LOG)
-
         def attempt_again(attempt, retry, logs):
             logs = dict(one_step_on_data(data, attempt))
             return attempt + 1, logs.pop(RETRY_LOG), logs
+
+        _, retry, logs = attempt_again(tf.constant(0), None, None)
 
         def redo():
             return tf.while_loop(

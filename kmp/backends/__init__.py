@@ -1,0 +1,26 @@
+"""What differs between Keras' backends: one package per backend.
+
+kmp's core (policies, the scaling rule and the scaler, `kmp.Model`, the
+callbacks and checkpoints, `kmp.convert`) imports neither TensorFlow nor JAX.
+What differs lives in `kmp/backends/tensorflow/` and `kmp/backends/jax/`, in
+modules of the same names that offer the same functions (the train step, the
+replicas, the devices, `diagnose`'s probe, export). The core reaches the
+running backend's module with `backends.get("step")`: the backend is chosen
+once, from `keras.backend.backend()`, and a module is imported the first time
+it is asked for, so `import kmp` under `KERAS_BACKEND=jax` imports no
+TensorFlow.
+
+A backend module may import the core; the core imports a backend module only
+through `get`, when it is called.
+"""
+
+import importlib
+
+import keras
+
+NAME = keras.backend.backend()
+
+
+def get(module):
+    """Returns the running backend's module `module` ("step", "devices", ...)."""
+    return importlib.import_module(f"{__name__}.{NAME}.{module}")

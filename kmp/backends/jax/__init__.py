@@ -1,0 +1,1 @@
+"""kmp on Keras' JAX backend: the modules `kmp.backends.get` returns there."""

@@ -1,0 +1,1 @@
+"""kmp on Keras' TensorFlow backend: the modules `kmp.backends.get` returns there."""

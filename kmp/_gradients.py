@@ -3,33 +3,31 @@
 Clipping is the inner Keras optimizer's own (`clipnorm`, ...).
 
 Every function takes a list of gradients in which an entry may be a dense
-tensor, a `tf.IndexedSlices` (an embedding's sparse gradient) or `None` (a
-variable without a gradient), and keeps that shape.
+tensor, a sparse one (TensorFlow's `tf.IndexedSlices` of an embedding: the
+backend's `gradients` module knows it) or `None` (a variable without a
+gradient), and keeps that shape.
 """
 
-import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
-# The dtype of the scaler's counters: int64, except on JAX, which holds
-# 32-bit integers unless `jax_enable_x64` is set.
-COUNTER_DTYPE = "int64" if keras.backend.backend() == "tensorflow" else "int32"
+from kmp import backends
+
+# The backend's sparse gradients and counter dtype (a module that imports
+# nothing of kmp's, so it is taken here, at import).
+_backend = backends.get("gradients")
+COUNTER_DTYPE = _backend.COUNTER_DTYPE
 COUNTER_MAX = int(np.iinfo(COUNTER_DTYPE).max)
 
 
 def map_gradient(fn, gradient):
     """Applies `fn` to a dense gradient or to the values of a sparse one."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(fn(gradient.values), gradient.indices, gradient.dense_shape)
-    return fn(gradient)
+    return None if gradient is None else _backend.map_gradient(fn, gradient)
 
 
 def values(gradient):
     """The tensor of values: the dense gradient, or a sparse one's `.values`."""
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    return _backend.values(gradient)
 
 
 def finite_flags(gradients):
@@ -62,7 +60,7 @@ def all_finite(gradients):
     """Returns a boolean scalar: whether every gradient is free of inf and NaN.
 
     Args:
-        gradients: List of tensors (dense or `tf.IndexedSlices`); `None`
+        gradients: List of tensors (dense, or TensorFlow's `tf.IndexedSlices`); `None`
             entries are ignored.
 
     Returns:

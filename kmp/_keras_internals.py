@@ -31,22 +31,22 @@ uses it says more):
 | `BackupAndRestore._current_epoch`, `_last_batch_seen`, `_training_metadata_path` | `BackupAndRestoreBase`'s `_kmp_*` properties | `checkpoint.py` | the epoch and batch a backup records, which Keras' `on_epoch_end` and `_should_save_on_batch` keep too, reset at each `on_train_begin`; where kmp records them |
 | `ModelCheckpoint._save_model` (overridden), `_get_file_path`, `_should_save_model` | `ModelCheckpointBase` | `checkpoint.py` | the save Keras' callback calls for every checkpoint: the file and whether to save stay Keras', the write is kmp's atomic one (`_kmp_write_checkpoint`) |
 | `Tensor._keras_logits` | `keep_logits` | `policy.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
-| `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `callbacks.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
+| `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `_scaling_step.py`, `callbacks.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
 | `Optimizer._filter_empty_gradients` | `filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
-| `Optimizer._get_variable_index` | `variable_index` | `loss_scale.py` | which variable overflowed, for the monitor |
-| `Optimizer._overwrite_variable_with_gradient` | `overwrites_with_gradient` | `loss_scale.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
-| `Optimizer._iterations` | `micro_steps` | `loss_scale.py` | the micro-step count (`iterations` counts windows): a window's last micro-batch, and its start when a window is discarded |
-| `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `loss_scale.py` | discard a window with an overflow |
-| `Optimizer._clip_gradients` | `clip_gradients` | `loss_scale.py` | under several replicas, clip the gradients summed over replicas with the inner optimizer's own rule (Keras clips each replica's share) |
-| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `_replicas.py`, `_train_step.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
-| `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `_train_step.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where kmp's retry loop carries gradients instead of variables |
-| `tensorflow.python.ops.cond_v2.fast_cond_v2` | `unlowered_cond` | `distribute.py` | the retry of an XLA-compiled step as one `If` op, not a `Switch` per variable on every step |
-| `tf.compat.v1.get_default_graph` | `default_graph` | `loss_scale.py` | whether a recorded loss belongs to the graph being traced |
-| `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `_jax.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
-| `Trainer._loss_tracker` | `loss_tracker` | `_train_step.py`, `_jax.py` | whether a step computed a loss, for the loss a skipped step logs |
+| `Optimizer._get_variable_index` | `variable_index` | `_scaling_step.py` | which variable overflowed, for the monitor |
+| `Optimizer._overwrite_variable_with_gradient` | `overwrites_with_gradient` | `_scaling_step.py`, `backends/tensorflow/step.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
+| `Optimizer._iterations` | `micro_steps` | `backends/tensorflow/step.py` | the micro-step count (`iterations` counts windows): a window's last micro-batch, and its start when a window is discarded |
+| `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `backends/tensorflow/step.py` | discard a window with an overflow |
+| `Optimizer._clip_gradients` | `clip_gradients` | `backends/tensorflow/step.py` | under several replicas, clip the gradients summed over replicas with the inner optimizer's own rule (Keras clips each replica's share) |
+| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `backends/tensorflow/replicas.py`, `backends/tensorflow/trainer.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
+| `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `backends/tensorflow/trainer.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where kmp's retry loop carries gradients instead of variables |
+| `tensorflow.python.ops.cond_v2.fast_cond_v2` | `unlowered_cond` | `backends/tensorflow/distribute.py` | the retry of an XLA-compiled step as one `If` op, not a `Switch` per variable on every step |
+| `tf.compat.v1.get_default_graph` | `default_graph` | `backends/tensorflow/step.py` | whether a recorded loss belongs to the graph being traced |
+| `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `backends/jax/trainer.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
+| `Trainer._loss_tracker` | `loss_tracker` | `backends/tensorflow/trainer.py`, `backends/jax/trainer.py` | whether a step computed a loss, for the loss a skipped step logs |
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
-| `Trainer._symbolic_build` | `symbolic_build` | `distribute.py` | that build, as `fit` runs it, from this worker's batch |
-| `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
+| `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
+| `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `backends/tensorflow/distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 
 `_token_ids.py` also overrides `DTypePolicy.convert_input` (public) in kmp's
 own `_ExactIdsPolicy`: Keras' autocast of a layer's inputs, so that a layer
@@ -54,7 +54,6 @@ holding an embedding hands float32 ids on unrounded.
 """
 
 import keras
-import tensorflow as tf
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.export.export_utils import get_input_signature
 from keras.src.models.functional import Functional
@@ -288,7 +287,7 @@ def clip_gradients(optimizer, grads):
     applies in its own `apply` (TensorFlow's `IndexedSlices` included). Under
     several replicas kmp applies it to the gradients summed over replicas,
     where Keras would apply it to each replica's share (see
-    `kmp._replicas.clip_summed`).
+    `kmp.backends.tensorflow.replicas.clip_summed`).
     """
     return optimizer._clip_gradients(grads)
 
@@ -323,6 +322,8 @@ def supports_no_merge_call():
     in each replica (one collective of flags), and can retry a batch in a
     `tf.while_loop`, which TensorFlow refuses around a `merge_call`.
     """
+    import tensorflow as tf
+
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
 
 
@@ -332,10 +333,12 @@ def in_xla_context():
     TensorFlow's `control_flow_util.GraphOrParentsInXlaContext`: no public API
     tells whether a `tf.function` (or one it is nested in) has
     `jit_compile=True`, and there kmp's train step takes another shape (see
-    `kmp._train_step._retry_overflows`): XLA gives a conditional's outputs
+    `kmp.backends.tensorflow.trainer`): XLA gives a conditional's outputs
     buffers of their own, so a branch that may write the variables copies
     them even when it does not run.
     """
+    import tensorflow as tf
+
     from tensorflow.python.ops import control_flow_util
 
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
@@ -361,6 +364,8 @@ def default_graph():
     other way to ask which `tf.function` graph is being traced; the scaler
     uses a loss it recorded only within that graph (or one it is nested in).
     """
+    import tensorflow as tf
+
     return tf.compat.v1.get_default_graph()
 
 
@@ -386,7 +391,7 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
-# --- the train function and the build across workers (kmp/distribute.py, kmp/model.py) ---
+# --- the train function and the build across workers (kmp/backends/tensorflow/distribute.py, kmp/model.py) ---
 
 
 def noinline_function_attributes():

@@ -97,7 +97,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmp import _keras_internals
-from kmp import distribute as _distribute
+from kmp.backends.tensorflow import distribute as _distribute
 
 try:
     import fcntl

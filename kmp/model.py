@@ -1,17 +1,15 @@
 """kmp.Model: a keras.Model whose training applies the precision policy."""
 
-import contextlib
 import functools
 import numbers
 
 import keras
 import numpy as np
 
-from kmp import _jax
 from kmp import _keras_internals
+from kmp import _model_step
 from kmp import _precision
-from kmp import _train_step
-from kmp import distribute as distribute_module
+from kmp import backends
 from kmp import export as export_module
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
@@ -25,8 +23,6 @@ _LOSS_SCALE_CHOICES = (
 # `overflow_retries` counts down in an int32 tensor of the retry loop.
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
-_MONITOR_LOG_PREFIX = _train_step.MONITOR_LOG_PREFIX
-_ON_TENSORFLOW = keras.backend.backend() == "tensorflow"
 
 
 def _loss_scale_optimizer(optimizer, loss_scale, model):
@@ -112,9 +108,7 @@ def _continue_scaling(model, previous, scaler):
 
 
 def _strategy_scope(model):
-    if _ON_TENSORFLOW:
-        return model.distribute_strategy.scope()
-    return contextlib.nullcontext()
+    return backends.get("trainer").strategy_scope(model)
 
 
 def _check_loss_scale(loss_scale):
@@ -202,7 +196,7 @@ class Model(_keras_internals.ModelBase):
     - with one replica and one step per call, `fit` and `evaluate` run each
       step without Keras' `tf.experimental.Optional` around its logs, and
       the optimizer counts only steps that had a batch (see
-      `kmp.distribute.train_or_test_function`).
+      `kmp.backends.tensorflow.distribute.train_or_test_function`).
 
     Example:
 
@@ -307,29 +301,14 @@ class Model(_keras_internals.ModelBase):
         Raises:
             ValueError: if `loss_scale` or `overflow_retries` is not one of
                 the above, the model is under a `tf.distribute` strategy kmp
-                does not support (see `kmp.distribute.check_strategy`), or,
+                does not support (see `kmp.backends.tensorflow.distribute.check_strategy`), or,
                 on JAX, `overflow_retries` is an int > 0.
             NotImplementedError: on JAX, under a `tf.distribute` strategy's
                 scope (use `keras.distribution` there).
         """
         _check_loss_scale(loss_scale)
         _check_overflow_retries(overflow_retries)
-        if _ON_TENSORFLOW:
-            distribute_module.check_strategy(self.distribute_strategy)
-        elif _jax.tf_strategy_in_use():
-            raise _jax.unsupported(
-                "A tf.distribute strategy",
-                "On JAX, set keras.distribution.DataParallel (or another keras.distribution) "
-                "before building the model instead.",
-            )
-        elif overflow_retries not in ("auto", 0):
-            raise ValueError(
-                "`overflow_retries` redoes a batch inside TensorFlow's train function; on "
-                "the JAX backend a batch whose gradients overflow is skipped and counted "
-                "(the scale backs off for the next one). Use overflow_retries='auto' or 0 "
-                "there, or the TensorFlow backend. Received: overflow_retries="
-                f"{overflow_retries!r}"
-            )
+        backends.get("trainer").check_compile(self, overflow_retries)
         if kwargs.pop("auto_scale_loss", True) is False and loss_scale == "auto":
             loss_scale = None
         optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
@@ -341,7 +320,7 @@ class Model(_keras_internals.ModelBase):
         self._kmp_overflow_retries = overflow_retries
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
         # object.__setattr__: Keras would track the optimizer as the model's
-        # state. Compared by identity (`_train_step.retries_on`): an
+        # state. Compared by identity (`_model_step.retries_on`): an
         # optimizer set later (`kmp.load_model`'s wrapper) is not the user's.
         object.__setattr__(self, "_kmp_users_scaler", users_scaler)
         if optimizer is not given and users_scaler is None:
@@ -359,7 +338,7 @@ class Model(_keras_internals.ModelBase):
             # Whether the user passed the scaler (no retries by default); the
             # loaded optimizer is passed to compile() again, which would
             # otherwise take it for the user's.
-            config["users_scaler"] = _train_step.is_users_scaler(
+            config["users_scaler"] = _model_step.is_users_scaler(
                 self, getattr(self, "optimizer", None)
             )
         return config
@@ -421,11 +400,10 @@ class Model(_keras_internals.ModelBase):
     def train_step(self, *args):
         """Keras' own step, with a skipped step kept out of the epoch's logs
         and, with `overflow_retries`, an overflowing batch redone (see
-        `kmp._train_step`). On JAX, `train_step(state, data)` as Keras' JAX
-        trainer calls it (see `kmp._jax.train_step`)."""
-        if not _ON_TENSORFLOW:
-            return _jax.train_step(self, *args, super().train_step)
-        return _train_step.run_train_step(self, *args, super().train_step)
+        `kmp/backends/tensorflow/trainer.py`). On JAX, `train_step(state,
+        data)` as Keras' JAX trainer calls it (see
+        `kmp/backends/jax/trainer.py`)."""
+        return backends.get("trainer").train_step(self, *args, super().train_step)
 
     def reset_metrics(self):
         super().reset_metrics()
@@ -435,9 +413,10 @@ class Model(_keras_internals.ModelBase):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        _train_step.wrap_optimizers(self, _loss_scale_optimizer)
+        trainer = backends.get("trainer")
+        _model_step.wrap_optimizers(self, _loss_scale_optimizer)
         own_wrapper = getattr(vars(self).get("train_step"), "_kmp_reporting", False)
-        if "train_step" not in vars(self) or (own_wrapper and not _ON_TENSORFLOW):
+        if "train_step" not in vars(self) or (own_wrapper and trainer.REWRAP_EACH_TRAIN_FUNCTION):
             # On this instance (no class is changed): Keras' function and
             # kmp's call `self.train_step`, now with the scalers' logs. On
             # TensorFlow once: each `tf.function` Keras makes traces it
@@ -446,64 +425,26 @@ class Model(_keras_internals.ModelBase):
             # bring back the step traced for the last `compile` (its loss, its
             # metrics, its optimizer) or before a monitor was attached.
             step = type(self).train_step
-            reporting = _train_step.reporting_scalers if _ON_TENSORFLOW else _jax.reporting_step
-            wrapper = reporting(self, step, own=step is Model.train_step)
+            wrapper = trainer.reporting_step(self, step, own=step is Model.train_step)
             wrapper._kmp_reporting = True
             object.__setattr__(self, "train_step", wrapper)
         super().make_train_function(force=force)
-        if not _ON_TENSORFLOW:
-            self.train_function = _jax.without_monitor_logs(self, self.train_function)
-            return self.train_function
-        # Under XLA kmp's train function redoes an overflowing batch by
-        # calling the compiled step again (see `kmp.distribute.make_function`).
-        retries = bool(
-            self.jit_compile
-            and type(self).train_step is Model.train_step
-            and _train_step.retries_on(self, self.optimizer)
+        # Under XLA on TensorFlow kmp's train function redoes an overflowing
+        # batch by calling the compiled step again.
+        self.train_function = trainer.train_function(
+            self, own_step=type(self).train_step is Model.train_step
         )
-        keras_train_function = distribute_module.train_or_test_function(
-            self, self.train_step, self.train_function, retries=retries
-        )
-
-        def train_function(iterator):
-            logs = keras_train_function(iterator)
-            # Keeps the monitor's values out of the progress bar, History,
-            # TensorBoard and CSVLogger, which show every key of the logs.
-            if isinstance(logs, dict):
-                # object.__setattr__: Keras would track the dict as part of
-                # the model (and take ~10 us a step doing so).
-                object.__setattr__(
-                    self,
-                    "_kmp_monitor_logs",
-                    {
-                        key[len(_MONITOR_LOG_PREFIX):]: logs.pop(key)
-                        for key in list(logs)
-                        if key.startswith(_MONITOR_LOG_PREFIX)
-                    },
-                )
-            return logs
-
-        self.train_function = train_function
-        return train_function
+        return self.train_function
 
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:
             return self.test_function
         super().make_test_function(force=force)
-        if not _ON_TENSORFLOW:
-            return self.test_function
-        self.test_function = distribute_module.train_or_test_function(
-            self, self.test_step, self.test_function
-        )
+        self.test_function = backends.get("trainer").test_function(self)
         return self.test_function
 
     def _kmp_build_from_iterator(self, iterator, strategy):
-        # Keras averages the first batch over replicas just to read its
-        # shapes, which fails across workers; this worker's batch has them.
-        if not distribute_module.is_multi_worker(strategy):
-            return False
-        distribute_module.symbolic_build(self, iterator)
-        return True
+        return backends.get("trainer").build_from_iterator(self, iterator, strategy)
 
     def fit(
         self,

@@ -120,7 +120,7 @@ def _assert_gan_matches_within_float16_rounding(mine, theirs):
 
     Not bit for bit, because of where TensorFlow rounds, not what kmp
     computes: kmp's fit calls its train step as a function TensorFlow does
-    not inline (`_noinline`, see `kmp/distribute.py`), which grappler then
+    not inline (`_noinline`, see `kmp/backends/tensorflow/distribute.py`), which grappler then
     optimizes without the step's input shapes. Where oneDNN runs float16
     natively (a CPU with AVX512_FP16), grappler's remapper fuses a Dense's
     `MatMul` and bias `Add` into one kernel that adds the bias to the float32

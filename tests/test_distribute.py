@@ -19,7 +19,7 @@ from _helpers import TrainableWeightsPerStep
 from _helpers import assert_close_to_float16_rounding
 from _helpers import float16_tolerance
 from _helpers import free_ports
-from kmp import distribute as kmp_distribute
+from kmp.backends.tensorflow import distribute as kmp_distribute
 
 _ROOT = pathlib.Path(__file__).parents[1]
 _WORKER = pathlib.Path(__file__).parent / "multi_worker_worker.py"

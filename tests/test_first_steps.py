@@ -50,16 +50,16 @@ def test_without_retries_the_same_run_drops_the_first_batches():
 
 
 def test_after_the_first_applied_step_auto_gives_one_retry():
-    from kmp import _train_step
+    from kmp import _model_step
 
     model, _ = _overflowing_regression(2)
-    assert int(_train_step.retry_budget(model, model.optimizer)) == _train_step._AUTO_RETRIES == 1
+    assert int(_model_step.retry_budget(model, model.optimizer)) == _model_step._AUTO_RETRIES == 1
     fresh = kmp.LossScaleOptimizer(keras.optimizers.SGD())
-    assert int(_train_step.retry_budget(model, fresh)) == _train_step._SETTLING_RETRIES
+    assert int(_model_step.retry_budget(model, fresh)) == _model_step._SETTLING_RETRIES
 
 
 def test_auto_has_no_retries_where_they_cannot_run(mirrored_strategy):
-    from kmp import _train_step
+    from kmp import _model_step
 
     kmp.set_policy("mixed_float16")
     with mirrored_strategy.scope():
@@ -68,9 +68,9 @@ def test_auto_has_no_retries_where_they_cannot_run(mirrored_strategy):
         model.compile("sgd", "mse")  # the default: no error under merge_call
     assert model.get_compile_config()["overflow_retries"] == "auto"
     with mirrored_strategy.scope():
-        assert _train_step.retry_budget(model, model.optimizer) is None
+        assert _model_step.retry_budget(model, model.optimizer) is None
     fixed = kmp.LossScaleOptimizer("sgd", dynamic=False)
-    assert _train_step.retry_budget(model, fixed) is None
+    assert _model_step.retry_budget(model, fixed) is None
 
 
 def test_a_rare_overflowing_batch_moves_the_scale_as_a_skip_would():
@@ -251,10 +251,10 @@ def test_the_scaler_kmp_made_retries_and_a_user_can_ask_for_retries():
 
 
 def test_who_made_the_scaler_survives_recompile_keras_file_and_load_model(tmp_path):
-    from kmp import _train_step
+    from kmp import _model_step
 
     def retries(model):
-        return _train_step.retry_budget(model, model.optimizer) is not None
+        return _model_step.retry_budget(model, model.optimizer) is not None
 
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((4,))
@@ -271,7 +271,7 @@ def test_who_made_the_scaler_survives_recompile_keras_file_and_load_model(tmp_pa
     model.compile(model.optimizer, "mse")  # still the user's
     assert not retries(model)
     model.compile(users, "mse", overflow_retries=3)
-    assert int(_train_step.retry_budget(model, model.optimizer)) == 3
+    assert int(_model_step.retry_budget(model, model.optimizer)) == 3
     model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0),
                   "mse")
     assert not retries(model)  # Keras' scaler, taken over by kmp's, is the user's

@@ -13,7 +13,7 @@ from keras import ops
 
 from benchmarks import harness
 import kmp
-from kmp import _replicas
+from kmp.backends.tensorflow import replicas as _replicas
 
 
 _needs_multi_optimizer = pytest.mark.skipif(

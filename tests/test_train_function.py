@@ -1,4 +1,4 @@
-"""kmp.Model's own train and test functions (`kmp.distribute.make_function`)
+"""kmp.Model's own train and test functions (`kmp.backends.tensorflow.distribute.make_function`)
 give what Keras' own give, for every kind of input `fit` takes.
 
 With one replica and one step per call kmp runs each step without Keras'
@@ -193,7 +193,7 @@ def test_kmp_function_honours_unrolled_steps_per_execution_as_keras(unrolled):
         model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=4)
         model.unrolled_steps_per_execution = unrolled
         if model_class is kmp.Model:
-            function = kmp.distribute.make_function(model, model.train_step)
+            function = kmp.backends.tensorflow.distribute.make_function(model, model.train_step)
         else:
             model.make_train_function()
             function = model.train_function
@@ -212,7 +212,7 @@ def test_kmp_function_honours_unrolled_steps_per_execution_as_keras(unrolled):
     model = _model(kmp.Model)
     model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=4)
     model.unrolled_steps_per_execution = unrolled
-    function = kmp.distribute.make_function(model, model.train_step)
+    function = kmp.backends.tensorflow.distribute.make_function(model, model.train_step)
     graph = function.get_concrete_function(iter(dataset)).graph.as_graph_def()
     step_calls = sum(
         node.attr["f"].func.name.find("one_step_on_data") >= 0

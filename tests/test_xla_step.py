@@ -9,13 +9,13 @@ Keras' own mixed precision; then check that under XLA the step still skips
 and retries as it does without it.
 
 Two ways a step reaches XLA:
-- `fit`'s train function (kmp's own, `kmp.distribute.make_function`): the
+- `fit`'s train function (kmp's own, `kmp.backends.tensorflow.distribute.make_function`): the
   compiled step is one attempt, and the train function redoes an
   overflowing batch by calling it again: compiled once, copies only in the
   skip branch;
 - a function of the user's own (`tf.function(model.train_step,
   jit_compile=True)`): the retry loop runs inside the compiled step and
-  carries gradients, not variables (`kmp._train_step._retry_overflows_compiled`).
+  carries gradients, not variables (`kmp.backends.tensorflow.trainer._retry_overflows_compiled`).
 """
 
 import re

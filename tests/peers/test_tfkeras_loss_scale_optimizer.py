@@ -739,7 +739,7 @@ def testConvertToLegacyOptimizer():
 
 def testUnsupportedStrategy():
     # Original: testUnsupportedStrategy. kmp refuses CentralStorageStrategy
-    # where training is configured, `compile` (kmp.distribute.check_strategy:
+    # where training is configured, `compile` (kmp.backends.tensorflow.distribute.check_strategy:
     # "loss scaling is tested under ... only"); Keras 3's scaler has no such
     # check, and kmp's scaler can be made anywhere, as Keras'.
     strategy = tf.distribute.experimental.CentralStorageStrategy()

@@ -236,7 +236,7 @@ def make_function(model, step_function, retries=False):
 
     The step is compiled once, and XLA sees no loop or branch that may
     write the variables: each would get buffers of its own and copy every
-    weight and slot on every step (see `kmp._train_step.run_train_step`).
+    weight and slot on every step (see `kmp.backends.tensorflow.trainer.train_step`).
 
     Returns:
         A function of a `tf.data` or distributed iterator that returns the
@@ -251,7 +251,7 @@ def make_function(model, step_function, retries=False):
         data = keras.tree.map_structure(
             lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
         )
-        # Read by the step as it is traced (`kmp._train_step.run_train_step`);
+        # Read by the step as it is traced (`kmp.backends.tensorflow.trainer.train_step`);
         # `None` where this function does not redo batches.
         object.__setattr__(model, "_kmp_attempt", attempt)
         try:

@@ -1,37 +1,89 @@
-"""kmp on Keras' JAX backend: the loss-scaled step as a pure function.
+"""kmp.Model's train step on JAX, and its train function.
 
 JAX traces a train step once and runs it as a pure function of its state:
 Keras' JAX trainer passes every variable's value in and takes the new values
 out (`stateless_apply`), and a branch (`jax.lax.cond`) must return what it
-changes instead of assigning it. So here the step of `kmp.loss_scale._step`
-is written as a function of values (`kmp.loss_scale._stateless_step`):
+changes instead of assigning it. So the loss-scaled step is
+`kmp._scaling_step.stateless_step`, a function of values:
 
 ```
 finite = all(isfinite(grads))                  # one program over all devices
 new_trainable, new_inner = cond(finite,
     inner_optimizer.stateless_apply(unscale(grads)),  # clips, updates
     (trainable, inner))                               # exactly as they were
-scale, counters = kmp.loss_scale._next_state(...)     # the same pure rule
+own = state_after(scale, counters, finite)            # the same pure rule
 ```
 
 Under `keras.distribution.DataParallel` the jitted step is one program over
 all devices, whose gradients are already the global ones: one decision, one
 skip counted, weights identical on every device, with no collective of kmp's.
 
-Here: `train_step` is kmp.Model's step on JAX (Keras' own, plus the unscaled loss
+Here, with the same names as `kmp/backends/tensorflow/trainer.py`:
+`train_step` is kmp.Model's step on JAX (Keras' own, plus the unscaled loss
 for the check and a skipped step kept out of the metrics); `reporting_step`
 wraps any `train_step(state, data)` so that its logs carry `loss_scale` and
 `skipped_steps`.
 """
 
+import contextlib
 import functools
+import sys
 
+import jax
 import keras
 from keras import ops
 
+from kmp import _handoff
 from kmp import _keras_internals
-from kmp import _train_step
+from kmp import _model_step
+from kmp import _scaling_rule
+from kmp import _scaling_step
 from kmp import loss_scale as loss_scale_module
+
+# `jax.jit` keeps its traces by the Python function: a new reporting wrapper
+# for each train function (see `kmp.Model.make_train_function`).
+REWRAP_EACH_TRAIN_FUNCTION = True
+
+
+def can_retry():
+    """Retries are TensorFlow's: on JAX an overflowing batch is skipped."""
+    return False
+
+
+def check_compile(model, overflow_retries):
+    """Refuses a `tf.distribute` strategy and retries, which are TensorFlow's."""
+    if tf_strategy_in_use():
+        raise unsupported(
+            "A tf.distribute strategy",
+            "On JAX, set keras.distribution.DataParallel (or another keras.distribution) "
+            "before building the model instead.",
+        )
+    if overflow_retries not in ("auto", 0):
+        raise ValueError(
+            "`overflow_retries` redoes a batch inside TensorFlow's train function; on "
+            "the JAX backend a batch whose gradients overflow is skipped and counted "
+            "(the scale backs off for the next one). Use overflow_retries='auto' or 0 "
+            "there, or the TensorFlow backend. Received: overflow_retries="
+            f"{overflow_retries!r}"
+        )
+
+
+def strategy_scope(model):
+    return contextlib.nullcontext()
+
+
+def train_function(model, own_step):
+    """Keras' train function, whose logs lose the monitor's values."""
+    return without_monitor_logs(model, model.train_function)
+
+
+def test_function(model):
+    return model.test_function
+
+
+def build_from_iterator(model, iterator, strategy):
+    """Keras builds the model (no multi-worker strategy on JAX)."""
+    return False
 
 
 def scaler_logs(model, optimizer_values):
@@ -43,7 +95,7 @@ def scaler_logs(model, optimizer_values):
         return {}
     by_id = {id(v): value for v, value in zip(optimizer.variables, optimizer_values)}
     counters = by_id[id(optimizer._counters)]
-    skipped = loss_scale_module._COUNTERS.index("skipped_steps")
+    skipped = _scaling_rule.COUNTERS.index("skipped_steps")
     return {"loss_scale": by_id[id(optimizer._kmp_scale)], "skipped_steps": counters[skipped]}
 
 
@@ -59,7 +111,6 @@ def train_step(model, state, data, keras_train_step):
     optimizer = model.optimizer
     if not (isinstance(optimizer, loss_scale_module.LossScaleOptimizer) and optimizer.enabled):
         return keras_train_step(state, data)
-    import jax
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
@@ -68,8 +119,8 @@ def train_step(model, state, data, keras_train_step):
         training=True, optimizer_variables=optimizer_values,
     )
     unscaled_loss, y_pred, non_trainable, new_metrics = aux
-    divide, _ = loss_scale_module._take_record(optimizer)
-    trainable, optimizer_values, finite = loss_scale_module._stateless_step(
+    divide, _ = _handoff.take_for_apply(optimizer)
+    trainable, optimizer_values, finite = _scaling_step.stateless_step(
         optimizer, optimizer_values, grads, trainable, loss=unscaled_loss, divide=divide
     )
     logs, new_metrics = _keras_internals.update_metrics_variables(
@@ -99,9 +150,9 @@ def monitor_logs(optimizer, optimizer_values, loss):
     monitor may keep them until it processes the step (a variable's value
     read during fit is an input of the next step, whose buffer JAX reuses).
     """
-    prefix = _train_step.MONITOR_LOG_PREFIX
+    prefix = _model_step.MONITOR_LOG_PREFIX
     with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_values))):
-        counters, nonfinite_gradients = loss_scale_module.monitor_state(optimizer)
+        counters, nonfinite_gradients = _scaling_step.monitor_state(optimizer)
     return {
         prefix + "counters": counters,
         prefix + "nonfinite_gradients": nonfinite_gradients,
@@ -112,7 +163,7 @@ def monitor_logs(optimizer, optimizer_values, loss):
 def reporting_step(model, step, own):
     """Wraps `step(model, state, data)` so that its logs carry the scaler's state.
 
-    As `kmp._train_step.reporting_scalers` on TensorFlow: the scalers learn
+    As `reporting_step` on TensorFlow: the scalers learn
     they run inside kmp.Model's step (a gradient of a loss that skipped
     `scale_loss` is applied undivided, with a warning); the logs gain
     `loss_scale` and `skipped_steps`, read from the step's new state.
@@ -126,7 +177,7 @@ def reporting_step(model, step, own):
     """
     @functools.wraps(step)
     def train_step_with_scaler_logs(state, data):
-        with _train_step.inside_model_step(model, own) as scalers:
+        with _model_step.inside_model_step(model, own) as scalers:
             try:
                 mapping = _scaler_state_mapping(model, scalers, state)
                 if not mapping:  # no scaler (a float32 or bfloat16 policy): as Keras runs it
@@ -137,7 +188,7 @@ def reporting_step(model, step, own):
                     scope.assign_updates()
             finally:
                 for optimizer in scalers:  # nothing traced may outlive the trace
-                    optimizer._kmp_record.loss = optimizer._kmp_record.last_loss = None
+                    optimizer._kmp_record.forget_traced()
         if isinstance(logs, dict) and len(state) == 4:
             logs = dict(logs, **scaler_logs(model, state[2]))
         return logs, state
@@ -198,24 +249,21 @@ class _ScalerState(keras.StatelessScope):
 def without_monitor_logs(model, keras_train_function):
     """Keras' `train_function(state, iterator)`, whose logs lose the monitor's
     values (kept on the model, as kmp.Model's TensorFlow train function does)."""
-    prefix = _train_step.MONITOR_LOG_PREFIX
-
     def train_function(state, iterator):
         logs, state = keras_train_function(state, iterator)
         if isinstance(logs, dict):
-            object.__setattr__(model, "_kmp_monitor_logs", {
-                key[len(prefix):]: logs.pop(key) for key in list(logs) if key.startswith(prefix)
-            })
+            object.__setattr__(model, "_kmp_monitor_logs", _model_step.pop_monitor_logs(logs))
         return logs, state
 
     return train_function
 
 
 def tf_strategy_in_use():
-    """Whether a `tf.distribute` strategy's scope is open (no use on JAX)."""
-    import tensorflow as tf
+    """Whether a `tf.distribute` strategy's scope is open (no use on JAX).
 
-    return tf.distribute.has_strategy()
+    Without TensorFlow imported, none can be: it is not imported here."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and tf.distribute.has_strategy()
 
 
 def unsupported(feature, instead):

@@ -1,0 +1,195 @@
+"""What a train step tells its loss scaler, and what the scaler answers.
+
+One place for the whole contract. A `kmp.LossScaleOptimizer` owns one
+`StepRecord` (thread-local: MirroredStrategy traces each replica in its own
+thread, and each replica's step gets its own record). Three parties write it,
+each its own part, and nothing else passes between them:
+
+- **the user's step**, through the optimizer's public methods:
+  `scale_loss(loss)` records that the loss was scaled, and the unscaled loss;
+  `get_unscaled_gradients(grads)` records that the gradients were divided.
+- **kmp.Model's train step** opens `model_step()` around the user's step and
+  may ask more of one apply with `asking(retries_left=, defer=)`: a
+  `StepRequest`. Outside kmp.Model's train step there is none.
+- **the scaler's `apply`** takes the first part (`take_for_apply`) and leaves
+  a `StepAnswer`: whether the gradients were finite (and applied, unless
+  deferred), whether to redo the batch, the unscaled loss, and, when asked to
+  defer, the `DeferredApply` the step applies after its retry loop.
+
+```
+with record.model_step():                    # kmp.Model's train step
+    loss = optimizer.scale_loss(loss)        # user: scaled, loss
+    with record.asking(retries_left=n):      # kmp.Model: StepRequest
+        optimizer.apply(grads)               # scaler: take_for_apply(), then
+    record.answer                            #   StepAnswer(finite, retry, loss, deferred)
+```
+
+Gradients of a loss that did not go through `scale_loss`: inside kmp.Model's
+train step (a custom `train_step` that forgot it) they are applied
+undivided, with one warning naming the line to add; anywhere else (a
+`GradientTape` loop, Keras' own tests scaling by hand) they are divided, as
+Keras' LossScaleOptimizer divides them, with one warning.
+"""
+
+import collections
+import contextlib
+import os
+import sys
+import threading
+import warnings
+
+import keras
+
+from kmp import backends
+
+StepRequest = collections.namedtuple(
+    "StepRequest", ["retries_left", "defer"], defaults=(None, False)
+)
+StepRequest.__doc__ = """What kmp.Model's train step asks of one `apply`.
+
+Fields:
+    retries_left: Int tensor, or `None`: the retries this batch has left
+        (the scaler answers `retry` only then).
+    defer: Bool. Decide and move the scale, but leave the apply to the step
+        (`StepAnswer.deferred`), which applies once after its retry loop.
+"""
+
+StepAnswer = collections.namedtuple(
+    "StepAnswer", ["finite", "retry", "loss", "deferred"], defaults=(None, None, None, None)
+)
+StepAnswer.__doc__ = """What the scaler's `apply` answers.
+
+Fields:
+    finite: Boolean tensor: the gradients were finite, and applied unless
+        deferred (`None` where `apply` ran with `enabled=False`).
+    retry: Boolean tensor, or `None` without retries: redo the batch (the
+        scale has backed off already; not counted as a skip).
+    loss: The unscaled loss `scale_loss` recorded, or `None`.
+    deferred: The `DeferredApply` left where the request said `defer`.
+"""
+
+_UNSCALED_WARNING = (
+    "kmp.LossScaleOptimizer '{name}'{held_as} received gradients of a loss that was "
+    "not scaled: `scale_loss` did not run for this optimizer in this train step. "
+    "They are applied as they are (not divided by the loss scale) and non-finite "
+    "steps are still skipped, but small float16 gradients can underflow to zero. "
+    "{add_line} (keep `loss` for your metrics)."
+)
+
+_DIVIDED_WARNING = (
+    "kmp.LossScaleOptimizer '{name}' divided gradients by the loss scale although "
+    "`scale_loss` did not run for it since its last `apply`, as Keras' "
+    "LossScaleOptimizer does: right for gradients scaled by hand, too small by the "
+    "scale for gradients of a loss that was not scaled. Outside `kmp.Model`'s train "
+    "step kmp cannot tell them apart. {add_line}."
+)
+
+# Where kmp and Keras live (and the backend, see `_library_dirs`): a warning
+# about the user's code points at the first line outside them
+# (`apply_gradients` reaches `apply` through Keras, and a train step through
+# Keras' trainer).
+_KMP_AND_KERAS = tuple(os.path.dirname(path) + os.sep for path in (__file__, keras.__file__))
+
+
+class StepRecord(threading.local):
+    """The hand-off between one replica's train step and its scaler.
+
+    Attributes:
+        request: The `StepRequest` of kmp.Model's train step, or `None`
+            outside it.
+        answer: The `StepAnswer` of the latest `apply` in this model step,
+            or `None` before it.
+    """
+
+    def __init__(self):
+        self._scaled, self._loss, self._divided = False, None, False
+        self.request, self.answer = None, None
+
+    def __reduce__(self):
+        return StepRecord, ()  # a copy starts with a fresh record
+
+    # The user's step, through scale_loss and get_unscaled_gradients.
+    def note_scaled(self, loss):
+        self._scaled, self._loss = True, loss
+
+    def note_divided(self):
+        self._divided = True
+
+    @property
+    def in_model_step(self):
+        return self.request is not None
+
+    @contextlib.contextmanager
+    def model_step(self):
+        """kmp.Model's train step: its request, and no answer yet."""
+        self.request, self.answer = StepRequest(), None
+        try:
+            yield self
+        finally:
+            self.request = None
+
+    @contextlib.contextmanager
+    def asking(self, **request):
+        """Asks the next `apply` for more (`StepRequest`'s fields)."""
+        before = self.request
+        self.request = (before or StepRequest())._replace(**request)
+        try:
+            yield self
+        finally:
+            self.request = before
+
+    def take(self):
+        """`(scaled, divided, loss)` of the step so far; clears them."""
+        loss = self._loss
+        if loss is not None:
+            loss = backends.get("step").usable_here(loss)
+        taken = (self._scaled, self._divided, loss)
+        self._scaled, self._loss, self._divided = False, None, False
+        return taken
+
+    def forget_traced(self):
+        """Drops every tensor held: nothing traced may outlive its trace."""
+        self._loss, self.answer = None, None
+
+
+def take_for_apply(optimizer):
+    """`(divide, loss)` for `optimizer.apply`, from what the step recorded.
+
+    Clears the record; warns once where no loss went through `scale_loss`:
+    inside kmp.Model's train step such gradients are applied undivided,
+    elsewhere divided (as Keras' LossScaleOptimizer divides them).
+    """
+    record = optimizer._kmp_record
+    scaled, divided, loss = record.take()
+    record.answer = StepAnswer(loss=loss)
+    if not (scaled or divided):
+        _warn_once(optimizer, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
+    return not divided and (scaled or not record.in_model_step), loss
+
+
+def _user_stacklevel():
+    """The `stacklevel` for `warnings.warn` that names the caller's own line."""
+    libraries = _KMP_AND_KERAS + backends.get("step").LIBRARY_DIRS
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(libraries):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_once(optimizer, template):
+    """Warns once per optimizer and message, at the user's line.
+
+    Names the model attribute that holds it (a GAN's `d_optimizer`, set by
+    kmp.Model): in a traced step, the warning's line is AutoGraph's.
+    """
+    if template in optimizer._warned:
+        return
+    optimizer._warned.add(template)
+    attribute = getattr(optimizer, "_kmp_attribute", None)
+    attribute = f"self.{attribute}" if attribute else "optimizer"
+    message = template.format(
+        name=optimizer.name,
+        held_as=f" (the model's `{attribute[5:]}`)" if attribute != "optimizer" else "",
+        add_line=backends.get("step").ADD_LINE.format(attribute=attribute),
+    )
+    warnings.warn(message, stacklevel=_user_stacklevel())

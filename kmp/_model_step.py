@@ -1,0 +1,222 @@
+"""kmp.Model's train step, what both backends share.
+
+- `inside_model_step` runs a step with each loss scaler the model holds told
+  so (`kmp._handoff`: gradients of a loss that skipped `scale_loss` are then
+  applied undivided).
+- `retries_on` and `retry_budget`: whether and how often a batch whose
+  gradients overflowed is redone (`overflow_retries`).
+- `scaler_logs`: the logs a step adds (`loss_scale`, `skipped_steps`, ...).
+- `wrap_optimizers` makes every optimizer a model holds a loss scaler before
+  the first step is traced.
+- `held_models_return_float32` makes the Keras models a custom step calls
+  (a GAN's generator and discriminator) return float32, as kmp.Model does.
+
+The step itself, and how it is wrapped into Keras' train function, are the
+backend's (`kmp/backends/<backend>/trainer.py`).
+"""
+
+import contextlib
+import functools
+
+import keras
+from keras import ops
+
+from kmp import _optimizers
+from kmp import _scaling_step
+from kmp import backends
+from kmp import loss_scale as loss_scale_module
+from kmp import policy as policy_module
+
+# Log keys that carry kmp.callbacks.LossScaleMonitor's per-step values out of
+# the train function; kmp.Model's train function removes them.
+MONITOR_LOG_PREFIX = "_kmp_monitor_"
+
+
+@contextlib.contextmanager
+def inside_model_step(model, own):
+    """Runs a kmp.Model's train step with its scalers told so; yields them.
+
+    Each loss scaler the model holds learns that it runs inside kmp.Model's
+    train step (`StepRecord.model_step`: gradients of a loss that skipped
+    `scale_loss` are applied undivided, with a warning) until the step
+    returns; a subclass's own step (`own=False`) first gets its held models
+    returning float32.
+    """
+    if not own:
+        held_models_return_float32(model)
+    scalers = list(_optimizers.scaling_optimizers(model).values())
+    with contextlib.ExitStack() as stack:
+        for optimizer in scalers:
+            stack.enter_context(optimizer._kmp_record.model_step())
+        yield scalers
+
+
+def applied(scalers):
+    """The scalers whose `apply` ran in this model step."""
+    return [optimizer for optimizer in scalers if optimizer._kmp_record.answer is not None]
+
+
+def pop_monitor_logs(logs):
+    """Takes the monitor's per-step values out of `logs` (in place), so that
+    the progress bar, History, TensorBoard and CSVLogger, which show every key,
+    never see them; returns them by their short names."""
+    return {
+        key[len(MONITOR_LOG_PREFIX):]: logs.pop(key)
+        for key in list(logs)
+        if key.startswith(MONITOR_LOG_PREFIX)
+    }
+
+
+def check_overflow_retries(model, own):
+    """Refuses `overflow_retries` for a subclass's own `train_step`."""
+    if _asked_retries(model) not in ("auto", 0) and not own:
+        raise ValueError(
+            "`overflow_retries` redoes batches in kmp.Model's own train_step; "
+            f"{type(model).__name__} overrides `train_step`, whose metrics and "
+            "optimizers kmp cannot roll back. Compile it with "
+            "overflow_retries=0. Received: overflow_retries="
+            f"{model._kmp_overflow_retries}"
+        )
+
+
+def held_models_return_float32(model):
+    """Makes each Keras model `model` holds as an attribute return float32.
+
+    A custom train_step mixes its sub-models' outputs with float32 data
+    (keras.io's GAN guide: `tf.concat([self.generator(z), real_images])`;
+    WGAN-GP: `fake_images - real_images`), which TensorFlow refuses for a
+    float16 tensor; Keras' own mixed precision fails there. kmp.Model returns
+    float32 under every policy, and so do the models it holds, from the
+    first step on: their `call` casts floating outputs to float32 (the next
+    layer casts them back to its compute dtype; a float32 output is left as
+    it is). Done once per model.
+    """
+    for name, value in list(vars(model).items()):
+        if (
+            name.startswith("_")
+            or not isinstance(value, keras.Model)
+            or getattr(value, "_kmp_returns_float32", False)
+        ):
+            continue
+        # object.__setattr__: an instance attribute Keras does not track.
+        object.__setattr__(value, "call", _returning_float32(value.call))
+        object.__setattr__(value, "_kmp_returns_float32", True)
+
+
+def _returning_float32(call):
+    @functools.wraps(call)
+    def call_returning_float32(*args, **kwargs):
+        return policy_module._to_float32(call(*args, **kwargs))
+
+    return call_returning_float32
+
+
+# `overflow_retries="auto"`: retries for the first batch, until its gradients
+# are finite or the scale reaches `min_scale` (2**24 to 1 takes 24 halvings),
+# so that no batch is lost while the scale settles; then one per batch, so a
+# rare overflowing batch is redone once at the backed-off scale instead of
+# dropped (the scale moves as it would have for the skip).
+_SETTLING_RETRIES = 32
+_AUTO_RETRIES = 1
+
+
+def _asked_retries(model):
+    return getattr(model, "_kmp_overflow_retries", "auto")
+
+
+def is_users_scaler(model, optimizer):
+    """Whether `optimizer` is a loss scaler the user passed to `model.compile`
+    (kmp's, or Keras' that kmp took over), not one kmp made."""
+    return optimizer is not None and optimizer is getattr(model, "_kmp_users_scaler", None)
+
+
+def retries_on(model, optimizer):
+    """Whether a batch of `model`'s own train step can be redone (see `retry_budget`)."""
+    asked = _asked_retries(model)
+    if asked != "auto":
+        return bool(asked)
+    return (
+        isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
+        # A scaler the user made keeps Keras' semantics: skipped, not redone.
+        and not is_users_scaler(model, optimizer)
+        and optimizer.enabled
+        and optimizer.dynamic
+        and not getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None)
+        and backends.get("trainer").can_retry()
+    )
+
+
+def retry_budget(model, optimizer):
+    """The retries a batch of `model`'s own train step gets, or `None` (none).
+
+    `compile(overflow_retries=n)`: `n` (`None` for 0). `"auto"`: where a retry
+    can run and kmp made the scaler (a dynamic kmp scaler around the optimizer
+    compile was given, without gradient accumulation, and a step without
+    `merge_call`), an int32 tensor: `_SETTLING_RETRIES` until a step
+    has been applied, then `_AUTO_RETRIES`; elsewhere `None`.
+    """
+    asked = _asked_retries(model)
+    if asked != "auto":
+        return asked or None
+    if not retries_on(model, optimizer):
+        return None
+    settled = ops.greater(optimizer.iterations, 0)
+    return ops.cast(ops.where(settled, _AUTO_RETRIES, _SETTLING_RETRIES), "int32")
+
+
+def scaler_logs(model, applied, retrying=False):
+    """The logs of the loss scalers that applied in a train step.
+
+    One scaler: `loss_scale` and `skipped_steps` (plus `retried_steps` when
+    `retrying`, and the monitor's per-step values while one watches).
+    Several (a GAN's): each named after its attribute,
+    `d_optimizer_loss_scale`, ...
+    """
+    names = {id(opt): name for name, opt in _optimizers.scaling_optimizers(model).items()}
+    scalers = [
+        opt for opt in applied if isinstance(opt, loss_scale_module.LossScaleOptimizer)
+    ]
+    logs = {}
+    for optimizer in scalers:
+        prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
+        logs[prefix + "loss_scale"] = optimizer.loss_scale
+        logs[prefix + "skipped_steps"] = optimizer.skipped_steps
+        if retrying:
+            logs[prefix + "retried_steps"] = optimizer.counters["retries"]
+    answer = scalers[0]._kmp_record.answer if len(scalers) == 1 else None
+    loss = None if answer is None else answer.loss
+    if (
+        loss is not None
+        and scalers[0]._monitored
+        and model.distribute_strategy.num_replicas_in_sync == 1
+    ):
+        # For kmp.callbacks.LossScaleMonitor, and only while one watches:
+        # returned with the step's outputs (no extra device round trip),
+        # then taken out of the logs by `make_train_function` before any
+        # callback sees them. Not with several replicas: Keras would
+        # all-reduce each of them, and collectives of different shapes
+        # can be ordered differently on each replica; the monitor reads
+        # the optimizer instead.
+        counters, nonfinite_gradients = _scaling_step.monitor_state(scalers[0])
+        logs[MONITOR_LOG_PREFIX + "counters"] = counters
+        logs[MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
+        logs[MONITOR_LOG_PREFIX + "loss"] = ops.cast(loss, "float32")
+    return logs
+
+def wrap_optimizers(model, loss_scale_optimizer):
+    """Makes every optimizer the model holds a kmp.LossScaleOptimizer.
+
+    `compile` wraps `optimizer`; a GAN's `d_optimizer` and
+    `g_optimizer`, set by its own `compile`, are wrapped here, before
+    the first step is traced, by the same rule (`loss_scale`).
+    """
+    loss_scale = getattr(model, "_kmp_loss_scale", "auto")
+    for name, optimizer in _optimizers.optimizers_by_attribute(model).items():
+        if name == "optimizer" or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            continue
+        wrapped = loss_scale_optimizer(optimizer, loss_scale, model)
+        if wrapped is not optimizer:
+            setattr(model, name, wrapped)
+    # Each scaler's warnings name the attribute that holds it.
+    for name, optimizer in _optimizers.scaling_optimizers(model).items():
+        object.__setattr__(optimizer, "_kmp_attribute", name)

@@ -1,0 +1,245 @@
+"""The parts of one loss-scaled step that both backends share.
+
+Each backend's step (`kmp/backends/<backend>/step.py`) is built from these,
+so the math is written once:
+
+- `check`: the finiteness decision from one replica's gradients and loss
+  (after unscaling where `min_scale < 1`), with the variables that
+  overflowed while a monitor watches;
+- `unscale`: the one place kmp divides gradients by the scale;
+- `state_after`: the scaler's own variables after a step, by the rule of
+  `kmp._scaling_rule` (the TensorFlow step assigns them, `assign_state`);
+- `stateless_step`: the whole step as a pure function of values, as Keras'
+  JAX trainer calls it (`stateless_apply`):
+
+```
+grads, finite = check(grads, loss)
+new_weights, new_inner = cond(finite,
+    inner_optimizer.stateless_apply(unscale(grads)),   # clips, updates
+    (weights, inner))                                  # exactly as they were
+own = state_after(scale, counters, finite)             # the same pure rule
+```
+"""
+
+import keras
+from keras import ops
+
+from kmp import _gradients
+from kmp import _handoff
+from kmp import _keras_internals
+from kmp import _scaling_rule
+from kmp import backends
+
+
+def accumulation_steps(optimizer):
+    """The inner optimizer's `gradient_accumulation_steps`, or `None`."""
+    return getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None) or None
+
+
+def add_state_variable(optimizer, name, shape, dtype, initial):
+    # aggregation="none", as Keras' own scaler: every replica computes the
+    # same value and writes its own copy, with no merge_call (see
+    # kmp/backends/tensorflow/replicas.py). Only float32 and int64:
+    # TensorFlow keeps int32 resource variables in host memory on a GPU,
+    # where XLA cannot read them.
+    return optimizer.add_variable(
+        shape=shape,
+        dtype=dtype,
+        initializer=keras.initializers.Constant(initial),
+        aggregation="none",
+        name=name,
+    )
+
+
+def unscale(optimizer, grads, variables=None, scale=None):
+    """`grads` divided by the loss scale (`scale`, or the current one): the
+    one place kmp unscales.
+
+    Variables Keras overwrites with their "gradient" (a BatchNormalization
+    moving statistic under some layers) take it as it is, as in Keras' scaler;
+    they are judged by the variable, not its value (keras-team/keras#21706).
+    """
+    keep = None if variables is None else [
+        _keras_internals.overwrites_with_gradient(optimizer, v) for v in variables
+    ]
+    if keep is not None and len(keep) != len(grads):
+        keep = None
+    if scale is None:
+        scale = optimizer.loss_scale  # one read of the scale, not one per gradient
+    return _gradients.divide(grads, scale, keep)
+
+
+def check(optimizer, grads, variables, loss, *, divide, scale=None):
+    """The finiteness decision of one replica's step.
+
+    With `min_scale < 1` the gradients are unscaled before the check
+    (dividing by less than 1 can overflow); otherwise later, in the branch
+    that applies, as in Keras' scaler.
+
+    Args:
+        optimizer: The `kmp.LossScaleOptimizer`.
+        grads, variables: This replica's gradients and their variables.
+        loss: The unscaled loss, or `None` when unknown.
+        divide: Bool. Whether `grads` are scaled and must be divided.
+        scale: The scale they carry, or `None` for the current one.
+
+    Returns:
+        `(grads, divide, finite, loss_finite, nonfinite)`: the gradients
+        (unscaled already when `divide` came back `False` from `True`), the
+        boolean scalars, and the int flags of the variables whose gradient
+        overflowed (`None` unless a monitor watches).
+    """
+    grads = list(grads)
+    if divide and optimizer.min_scale < 1.0:
+        grads, divide = unscale(optimizer, grads, variables, scale), False
+    flags = _gradients.finite_flags(grads)
+    finite = _gradients.all_true(flags)
+    loss_finite = ops.convert_to_tensor(True) if loss is None else ops.all(ops.isfinite(loss))
+    nonfinite = None
+    if optimizer._monitored:
+        indices = [_keras_internals.variable_index(optimizer, v) for v in variables]
+        nonfinite = _gradients.nonfinite_indicator(
+            flags, indices, len(_keras_internals.built_variables(optimizer))
+        )
+    return grads, divide, finite, loss_finite, nonfinite
+
+
+def state_after(optimizer, scale, counters, decision, flags_before=None):
+    """The scaler's own variables after one (applied or skipped) step.
+
+    Args:
+        optimizer: The `kmp.LossScaleOptimizer`.
+        scale, counters: Its scale and `counters` dict before the step.
+        decision: The step's `kmp._scaling_rule.Decision`.
+        flags_before: The `nonfinite_gradients` value before the step, or
+            `None` to read it (only needed while a monitor watches).
+
+    Returns:
+        Dict `{id(variable): new value}`.
+    """
+    rule = {name: getattr(optimizer, name) for name in _scaling_rule.RULE_SETTINGS}
+    new_scale, new_counters = _scaling_rule.next_state(scale, counters, decision, rule)
+    own = {
+        id(optimizer._kmp_scale): new_scale,
+        id(optimizer._counters): ops.stack([new_counters[n] for n in _scaling_rule.COUNTERS]),
+    }
+    if decision.nonfinite_gradients is not None:
+        # Kept from the latest backward overflow, so that with
+        # steps_per_execution > 1 the monitor still sees where it was.
+        if flags_before is None:
+            flags_before = optimizer._nonfinite_gradients.value
+        backward = ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite)
+        own[id(optimizer._nonfinite_gradients)] = ops.where(
+            backward, decision.nonfinite_gradients, flags_before
+        )
+    return own
+
+
+def assign_state(optimizer, decision):
+    """Assigns `state_after` the current state to the scaler's variables."""
+    own = state_after(optimizer, optimizer._kmp_scale.value, optimizer.counters, decision)
+    for variable in optimizer.variables:
+        if id(variable) in own:
+            variable.assign(own[id(variable)])
+
+
+def monitor_state(optimizer):
+    """`(counters, nonfinite_gradients)` for `kmp.callbacks.LossScaleMonitor`:
+    `[step, skipped_steps, forward_overflows, consecutive_skips,
+    consecutive_forward_overflows]` (`step` counts applied and skipped
+    steps), and the per-variable flags of the latest backward overflow."""
+    counters = optimizer._counters.value
+    names = _scaling_rule.COUNTERS
+    skipped, retries = names.index("skipped_steps"), names.index("retries")
+    step = ops.cast(optimizer.iterations, _scaling_rule.COUNTER_DTYPE) + counters[skipped]
+    monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:retries]])
+    return monitored, backends.get("step").snapshot(optimizer._nonfinite_gradients.value)
+
+
+def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *, loss=None,
+                   divide=True):
+    """One loss-scaled step as a pure function of values.
+
+    Args:
+        optimizer: The built `kmp.LossScaleOptimizer`.
+        optimizer_variables: Values of `optimizer.variables`, in order.
+        grads: Gradients of the scaled loss (or unscaled, `divide=False`).
+        trainable_variables: Values of the variables the optimizer was built
+            with, in order.
+        loss: Optional unscaled loss: a skip whose loss is not finite is a
+            forward overflow (for the monitor).
+        divide: Bool. Whether `grads` are scaled and must be divided.
+
+    Returns:
+        `(new_trainable_values, new_optimizer_values, finite)`.
+    """
+    inner = optimizer.inner_optimizer
+    variables = list(optimizer.variables)
+    if len(optimizer_variables) != len(variables):
+        raise ValueError(
+            "`optimizer_variables` must hold one value per variable of "
+            f"`optimizer.variables` ({len(variables)}). Received: "
+            f"{len(optimizer_variables)} values"
+        )
+    built = _keras_internals.built_variables(optimizer)
+    mapping = list(zip(variables, optimizer_variables))
+    with keras.StatelessScope(state_mapping=mapping):
+        scale = optimizer._kmp_scale.value
+        counters = optimizer.counters
+        flags_before = optimizer._nonfinite_gradients.value
+    grads, divide, finite, loss_finite, nonfinite = check(
+        optimizer, grads, built, loss, divide=divide, scale=scale
+    )
+    decision = _scaling_rule.Decision(finite, loss_finite, nonfinite)
+    inner_ids = {id(v) for v in inner.variables}
+    inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
+
+    def apply():
+        # Unscaled in the branch that applies: XLA fuses the division into
+        # the update. Non-finite gradients never get here.
+        unscaled = unscale(optimizer, grads, built, scale) if divide else grads
+        return inner.stateless_apply(inner_values, unscaled, list(trainable_variables))
+
+    def skip():
+        return list(trainable_variables), inner_values
+
+    new_trainable, new_inner = ops.cond(finite, apply, skip)
+    own = state_after(optimizer, scale, counters, decision, flags_before)
+    new_inner = iter(new_inner)
+    new_values = []
+    for variable, value in mapping:
+        if id(variable) in inner_ids:
+            new_values.append(next(new_inner))
+        else:
+            new_values.append(own.get(id(variable), value))
+    return list(new_trainable), new_values, finite
+
+
+def as_values(values):
+    """`values` with each `keras.Variable` replaced by its value: a pure step
+    takes arrays, and Keras' optimizers take `optimizer.variables` as well."""
+    return [v.value if isinstance(v, keras.Variable) else v for v in values]
+
+
+def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
+    """`LossScaleOptimizer.stateless_apply` (see `stateless_step`)."""
+    if not optimizer.built:
+        raise ValueError(
+            f"To call `stateless_apply`, {type(optimizer).__name__} must be built: "
+            "call `optimizer.build(trainable_variables)` first."
+        )
+    optimizer_variables = as_values(optimizer_variables)
+    trainable_variables = as_values(trainable_variables)
+    if not optimizer.enabled:
+        own = len(optimizer.variables) - len(optimizer.inner_optimizer.variables)
+        new_trainable, new_inner = optimizer.inner_optimizer.stateless_apply(
+            list(optimizer_variables[own:]), grads, trainable_variables
+        )
+        return new_trainable, list(optimizer_variables[:own]) + list(new_inner)
+    divide, _ = _handoff.take_for_apply(optimizer)
+    # A loss recorded in a traced function must not outlive its trace.
+    optimizer._kmp_record.answer = None
+    new_trainable, new_values, _ = stateless_step(
+        optimizer, optimizer_variables, grads, trainable_variables, divide=divide
+    )
+    return new_trainable, new_values

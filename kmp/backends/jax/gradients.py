@@ -1,0 +1,20 @@
+"""Gradients on JAX: arrays (Keras' JAX optimizers take a sparse BCOO too,
+which `keras.ops` handles as it is).
+
+The same names as `kmp/backends/tensorflow/gradients.py`; imports nothing of
+kmp's.
+"""
+
+# The dtype of the scaler's counters: JAX holds 32-bit integers unless
+# `jax_enable_x64` is set.
+COUNTER_DTYPE = "int32"
+
+
+def map_gradient(fn, gradient):
+    """Applies `fn` to a gradient."""
+    return fn(gradient)
+
+
+def values(gradient):
+    """The gradient itself."""
+    return gradient

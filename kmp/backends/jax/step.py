@@ -1,0 +1,110 @@
+"""The loss-scaled step on JAX: a pure function of values.
+
+JAX traces a step once and runs it as a pure function of its state, so the
+step is `kmp._scaling_step.stateless_step` (the finiteness decision, the
+unscaling and the rule shared with TensorFlow); `apply` runs it and assigns
+what it returns, or, outside a trace, decides on the host and lets the inner
+optimizer's own `apply` update (a sparse gradient then reaches it as it is).
+
+The same names as `kmp/backends/tensorflow/step.py`.
+"""
+
+import contextlib
+
+import jax
+from keras import ops
+
+from kmp import _handoff
+from kmp import _keras_internals
+from kmp import _scaling_rule
+from kmp import _scaling_step
+
+# The line a warning asks for (`kmp._handoff`): JAX's steps are stateless.
+ADD_LINE = ("Add one line in the function you differentiate, `scaled_loss = "
+            "{attribute}.scale_loss(loss)` (in a `jax.grad` loop of your own, outside "
+            "kmp.Model's train step: `scaled_loss = {attribute}.stateless_scale_loss("
+            "optimizer_variables, loss)`), and differentiate `scaled_loss`")
+LIBRARY_DIRS = ()
+
+
+def snapshot(value):
+    """A variable's value: a JAX array never changes."""
+    return value
+
+
+def outside_functions():
+    return contextlib.nullcontext()
+
+
+def usable_here(loss):
+    return loss
+
+
+def check_buildable(optimizer):
+    """Refuses an inner optimizer that accumulates gradients."""
+    steps = _scaling_step.accumulation_steps(optimizer)
+    if steps:
+        raise ValueError(
+            "On the JAX backend kmp.LossScaleOptimizer does not combine with the inner "
+            "optimizer's `gradient_accumulation_steps` (a window with an overflow cannot be "
+            "discarded whole there). Use the TensorFlow backend, or a larger batch. "
+            f"Received: gradient_accumulation_steps={steps}"
+        )
+
+
+def apply(optimizer, grads, trainable_variables, *, divide, loss, request):
+    """`LossScaleOptimizer.apply` on JAX: the pure step, then assigned.
+
+    The step runs over every variable the optimizer was built with; those
+    not among `trainable_variables` (or whose gradient was `None`, filtered
+    out before) get a `None` gradient, which the inner optimizer leaves
+    alone, as Keras' `apply` leaves them. Retries are TensorFlow's: the
+    answer's `retry` is `None`.
+
+    Returns:
+        The `kmp._handoff.StepAnswer`.
+    """
+    built = _keras_internals.built_variables(optimizer)
+    positions = {id(v): i for i, v in enumerate(built)}
+    unknown = [v for v in trainable_variables if id(v) not in positions]
+    if unknown:
+        raise ValueError(
+            "kmp.LossScaleOptimizer.apply takes only variables it was built with. "
+            f"Received: {len(unknown)} other variable(s), the first "
+            f"{getattr(unknown[0], 'path', unknown[0])!r}; built with {len(built)}"
+        )
+    all_grads = [None] * len(built)
+    for grad, variable in zip(grads, trainable_variables):
+        all_grads[positions[id(variable)]] = grad
+    if not any(isinstance(g, jax.core.Tracer) for g in all_grads):
+        finite = _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide)
+        return _handoff.StepAnswer(finite, None, loss)
+    new_trainable, new_values, finite = _scaling_step.stateless_step(
+        optimizer, [v.value for v in optimizer.variables], all_grads,
+        [v.value for v in built], divide=divide,
+    )
+    for variable in trainable_variables:
+        variable.assign(new_trainable[positions[id(variable)]])
+    for variable, value in zip(optimizer.variables, new_values):
+        variable.assign(value)
+    return _handoff.StepAnswer(finite, None, loss)
+
+
+def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide):
+    """`apply` on JAX outside a trace: decided on the host, then the inner
+    optimizer's own `apply` updates the variables, as Keras' scaler does (a
+    sparse gradient then reaches the inner optimizer's `assign_sub` as it
+    is); the scaler's own variables take the same rule as the pure step."""
+    scale = optimizer._kmp_scale.value
+    grads, divide, finite, loss_finite, nonfinite = _scaling_step.check(
+        optimizer, all_grads, built, None, divide=divide, scale=scale
+    )
+    decision = _scaling_rule.Decision(finite, loss_finite, nonfinite)
+    if bool(finite):
+        unscaled = _scaling_step.unscale(optimizer, grads, built, scale) if divide else grads
+        by_id = {id(v): g for v, g in zip(built, unscaled)}
+        optimizer.inner_optimizer.apply(
+            [by_id[id(v)] for v in trainable_variables], trainable_variables
+        )
+    _scaling_step.assign_state(optimizer, decision)
+    return ops.convert_to_tensor(bool(finite))

@@ -1,0 +1,280 @@
+"""The loss-scaled step on TensorFlow: variables assigned in place, under
+`tf.distribute` strategies, with gradient accumulation and retries.
+
+The same names as `kmp/backends/jax/step.py`: `apply` (the scaler's
+`apply`), `snapshot`, `outside_functions`, `usable_here`, `check_buildable`,
+`ADD_LINE` and `LIBRARY_DIRS`. The math shared with JAX (the finiteness
+decision, unscaling, the next scale and counters) is `kmp._scaling_step`'s.
+"""
+
+import os
+
+import tensorflow as tf
+from keras import ops
+
+from kmp import _handoff
+from kmp import _keras_internals
+from kmp import _scaling_rule
+from kmp import _scaling_step
+from kmp._scaler_settings import CLIPPING
+from kmp.backends.tensorflow import replicas as replicas_module
+
+# The line a warning asks for (`kmp._handoff`).
+ADD_LINE = ("Add one line inside the tape, `scaled_loss = {attribute}.scale_loss(loss)`, "
+            "and take `tape.gradient(scaled_loss, ...)`")
+# A warning about the user's code points past TensorFlow's frames too.
+LIBRARY_DIRS = (os.path.dirname(tf.__file__) + os.sep,)
+
+def snapshot(value):
+    """A variable's value that later assignments leave as it is."""
+    return tf.identity(value)
+
+
+def outside_functions():
+    """Where variables are created outside any `tf.function` being traced."""
+    return tf.init_scope()
+
+
+def usable_here(loss):
+    """`loss`, or `None` where it was recorded in another trace (a
+    `tf.function` traced again)."""
+    if not tf.is_symbolic_tensor(loss):
+        return loss
+    graph = _keras_internals.default_graph()
+    while graph is not None:
+        if graph is loss.graph:
+            return loss
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def check_buildable(optimizer):
+    """Every inner optimizer combines with the scaler on TensorFlow."""
+
+
+def apply(optimizer, grads, variables, *, divide, loss, request):
+    """`LossScaleOptimizer.apply` on TensorFlow (see `_step`).
+
+    Returns:
+        The `kmp._handoff.StepAnswer`.
+    """
+    retries_left = request.retries_left if request else None
+    defer = bool(request and request.defer)
+    answer = {}
+    finite, retry = replicas_module.run_step(
+        lambda replicas, *args: _step(optimizer, replicas, *args, divide=divide,
+                                      retries_left=retries_left, defer=defer, answer=answer),
+        grads, variables, loss,
+    )
+    return _handoff.StepAnswer(finite, retry, loss, answer.get("deferred"))
+
+
+class DeferredApply:
+    """A step's update, checked and decided but not applied yet.
+
+    Under XLA kmp.Model's retry loop (`kmp.backends.tensorflow.trainer`)
+    asks the scaler to defer: each attempt then checks its gradients,
+    decides and moves the scale, and leaves its gradients here; the step
+    applies the last attempt's once, after the loop. The loop so carries
+    gradients (temporaries of every step) instead of the variables: XLA
+    gives a loop's and a conditional's outputs buffers of their own, and a
+    loop or branch that may write the variables copies them, on every step.
+
+    Attributes:
+        grads: List of this replica's gradients, as `apply` received them
+            (scaled, unless `min_scale < 1` unscaled them for the check).
+        scale: Float32 scalar: the scale they carry.
+    """
+
+    def __init__(self, grads, scale, apply):
+        self.grads, self.scale, self._apply = grads, scale, apply
+
+    def apply_if(self, finite, grads, scale):
+        """Applies `grads` (carrying `scale`) where `finite`: unscaled,
+        clipped and applied by the inner optimizer, as `_step` applies.
+        The skip is a conditional's empty branch: only there does XLA copy
+        the variables."""
+        ops.cond(finite, lambda: self._apply(list(grads), scale), lambda: None)
+
+
+def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, defer, answer):
+    """One step (or one micro-batch of an accumulated step).
+
+    ```
+    bad = [not all(isfinite(grads)), not isfinite(loss)]  # each replica its own
+    if accumulating:
+        bad = window_bad = max(window_bad, bad)
+    if not accumulating or the window's last micro-batch:
+        bad = agree(bad)         # over all replicas (see below)
+    else:
+        bad = 0                  # mid-window: the inner optimizer accumulates
+    if bad == 0:
+        grads = unscale(grads)
+        if clipping and replicas > 1 and not accumulating:
+            total = all_reduce_sum(grads)      # one more collective
+            grads = inner_optimizer.clip(total) / replicas
+        inner_optimizer.apply(grads)  # clips (a share: no-op), sums, updates
+    # else: nothing is applied (a window's accumulators are dropped)
+    if not accumulating or the window's last micro-batch:
+        state = update_loss_scale(state, bad == 0)
+    ```
+
+    Each replica checks its own gradients and only the flags are shared:
+    read from every local replica on one machine, as Keras' scaler reads
+    them (no collective), or summed in one small collective across workers
+    and without `merge_call`. The inner optimizer sums the gradients over
+    replicas itself, as it does without kmp, so nothing of Keras' is switched
+    off. Keras' optimizer clips before it sums, that is each replica's share;
+    where it clips and there are several replicas, kmp sums the unscaled
+    gradients once more, clips that sum with the inner optimizer's own rule
+    and hands each replica `clipped / replicas`, which the inner optimizer's
+    clip leaves as it is and its sum turns back into the clipped whole-batch
+    gradient: the step clips as on one replica, at the cost of one more
+    all-reduce of the gradients (only then; variables Keras overwrites with
+    their "gradient" are left out, as Keras leaves them out of clipping).
+    With gradient accumulation the inner optimizer clips each replica's
+    accumulated window (Keras' order: no micro-batch holds the window's sum).
+
+    Args:
+        optimizer: The `LossScaleOptimizer`.
+        replicas: Where per-replica work runs (see `replicas.run_step`).
+        grads, variables, loss: This replica's gradients, their variables and
+            the unscaled loss (`None` when unknown).
+        divide: Bool. Whether the gradients are scaled and must be divided.
+        retries_left: Int tensor, or `None`: the retries this batch has left.
+        defer: Bool. Leave the apply to the caller (`DeferredApply`, put in
+            `answer["deferred"]`).
+        answer: Dict that receives the `DeferredApply`.
+
+    Returns:
+        `(finite, retry)`: boolean tensors; `retry` is `None` without retries.
+    """
+    inner = optimizer.inner_optimizer
+    window = _scaling_step.accumulation_steps(optimizer)
+    divide_later = divide and not optimizer.min_scale < 1.0
+    monitored = optimizer._monitored
+    counter_dtype = _scaling_rule.COUNTER_DTYPE
+
+    def check(grads, variables, loss):
+        grads, _, finite, loss_finite, nonfinite = _scaling_step.check(
+            optimizer, grads, variables, loss, divide=divide
+        )
+        if window:
+            seen = ops.maximum(
+                optimizer._accumulation_window.value,
+                ops.cast(ops.logical_not(ops.stack([finite, loss_finite])), counter_dtype),
+            )
+            optimizer._accumulation_window.assign(seen)
+            finite, loss_finite = ops.equal(seen[0], 0), ops.equal(seen[1], 0)
+        if not monitored:
+            return grads, (finite, loss_finite)
+        # Which variables overflowed: this micro-batch's own flags.
+        return grads, (finite, loss_finite, nonfinite)
+
+    def agree(local):
+        # Per replica: the step's one collective, of the flags only; none with
+        # one replica, and none where all replicas are local (see `replicas`).
+        if replicas_module.num_replicas() == 1:
+            return local
+        bad = replicas_module.all_reduce_sum(
+            [ops.cast(ops.logical_not(local[0]), "float32"),
+             ops.cast(ops.logical_not(local[1]), "float32")]
+            + [ops.cast(flags, "float32") for flags in local[2:]]
+        )
+        return (ops.equal(bad[0], 0.0), ops.equal(bad[1], 0.0)) + tuple(
+            ops.cast(ops.greater(flags, 0.0), counter_dtype) for flags in bad[2:]
+        )
+
+    grads, local = replicas.run(check, grads, variables, loss)
+    reduce = lambda: replicas.agree(local, agree)  # noqa: E731
+    if window:
+        boundary = ops.equal((_keras_internals.micro_steps(inner) + 1) % window, 0)
+        # Mid-window every replica adds its micro-batch: "finite" until the end.
+        agreed = ops.cond(boundary, reduce, lambda: tuple(
+            ops.ones_like(v) if i < 2 else v for i, v in enumerate(replicas.first(local))
+        ))
+    else:
+        agreed = reduce()
+    decision = _scaling_rule.Decision(agreed[0], agreed[1], agreed[2] if monitored else None)
+    if retries_left is not None and optimizer.dynamic:
+        decision = decision._replace(retry=ops.logical_and(
+            ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite),
+            ops.logical_and(retries_left > 0, optimizer._kmp_scale.value > optimizer.min_scale),
+        ))
+
+    # Accumulating, the inner optimizer clips the window's sum, which no
+    # single micro-batch holds.
+    clip_summed = not window and _clips(inner)
+
+    def apply_unscaled(grads, variables, scale=None):
+        if divide_later:
+            grads = _scaling_step.unscale(optimizer, grads, variables, scale)
+        grads = replicas_module.summable(grads)  # before clipping: Keras' global
+        if clip_summed:                           # norm refuses mixed dtypes
+            grads = _clip_summed(inner, grads, variables)
+        inner.apply(grads, variables)
+
+    if defer and not window:
+        # The train step applies once, after its retry loop (see
+        # `DeferredApply`): the scale these gradients carry is kept for it.
+        scale = snapshot(optimizer._kmp_scale.value)
+        answer["deferred"] = DeferredApply(
+            list(grads), scale,
+            lambda grads, scale: replicas.run(
+                lambda grads, variables: apply_unscaled(grads, variables, scale),
+                grads, variables,
+            ),
+        )
+        _scaling_step.assign_state(optimizer, decision)
+        return decision.finite, decision.retry
+
+    def skip():
+        if window:  # only reached on a window's last micro-batch: back to its start
+            micro_steps = _keras_internals.micro_steps(inner)
+            micro_steps.assign(micro_steps - (window - 1))
+
+    ops.cond(decision.finite, lambda: replicas.run(apply_unscaled, grads, variables), skip)
+    if not window:
+        _scaling_step.assign_state(optimizer, decision)
+        return decision.finite, decision.retry
+    discard = ops.logical_not(decision.finite)
+    # A discarded window, and a micro-batch with an overflow (now or earlier)
+    # mid-window (the window is lost anyway): no inf or NaN stays in the
+    # accumulators.
+    replicas.run(
+        lambda local: ops.cond(
+            ops.logical_or(
+                discard, ops.logical_and(ops.logical_not(boundary), ops.logical_not(local[0]))
+            ),
+            lambda: _keras_internals.reset_gradient_accumulators(inner),
+            lambda: None,
+        ),
+        local,
+    )
+
+    def end_window():
+        _scaling_step.assign_state(optimizer, decision)
+        optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
+
+    ops.cond(boundary, end_window, lambda: None)
+    return decision.finite, decision.retry
+
+
+def _clips(optimizer):
+    """Whether `optimizer` clips (Keras' test: a limit set and > 0)."""
+    return any((getattr(optimizer, name, None) or 0) > 0 for name in CLIPPING)
+
+
+def _clip_summed(inner, grads, variables):
+    """`grads` whose sum over replicas is the clipped sum (see
+    `replicas.clip_summed`); variables Keras overwrites with their
+    "gradient" are left as they are, as Keras leaves them out of clipping."""
+    clipped = [i for i, v in enumerate(variables)
+               if not _keras_internals.overwrites_with_gradient(inner, v)]
+    shares = replicas_module.clip_summed(
+        [grads[i] for i in clipped], lambda total: _keras_internals.clip_gradients(inner, total)
+    )
+    grads = list(grads)
+    for i, share in zip(clipped, shares):
+        grads[i] = share
+    return grads

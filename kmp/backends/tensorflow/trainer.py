@@ -1,0 +1,331 @@
+"""kmp.Model's train step on TensorFlow, and its train function.
+
+The same names as `kmp/backends/jax/trainer.py` (`train_step`,
+`reporting_step`, `train_function`, `test_function`, `check_compile`,
+`strategy_scope`, `can_retry`, `build_from_iterator`):
+
+- `reporting_step` wraps the `train_step` of the kmp.Model being trained
+  (set once on the instance): the logs carry each loss scaler that applied.
+- `train_step` runs Keras' step so that a skipped step's loss and metrics
+  stay out of the epoch's logs, and, with `overflow_retries`, redoes a batch
+  whose gradients overflowed at a lower scale (`_retry_overflows`; under XLA
+  `_retry_overflows_compiled`, or kmp's train function around the compiled
+  step, `kmp.backends.tensorflow.distribute.make_function`).
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from kmp import _keras_internals
+from kmp import _model_step
+from kmp import loss_scale as loss_scale_module
+from kmp.backends.tensorflow import distribute as distribute_module
+from kmp.backends.tensorflow import replicas as replicas_module
+from kmp.backends.tensorflow import step as step_module
+
+
+# Set once on the instance: each `tf.function` Keras makes traces it afresh
+# (see `kmp.Model.make_train_function`).
+REWRAP_EACH_TRAIN_FUNCTION = False
+
+
+def can_retry():
+    """Whether a batch can be redone here: a step without `merge_call`."""
+    return _keras_internals.supports_no_merge_call()
+
+
+def check_compile(model, overflow_retries):
+    """Refuses a `tf.distribute` strategy kmp does not support."""
+    distribute_module.check_strategy(model.distribute_strategy)
+
+
+def strategy_scope(model):
+    return model.distribute_strategy.scope()
+
+
+def train_function(model, own_step):
+    """kmp's train function around Keras' `model.train_function`.
+
+    Multi-worker, one step per call (see `distribute.train_or_test_function`)
+    and, under XLA, the retry around the compiled step
+    (`distribute.make_function`); the monitor's values leave the logs.
+    """
+    retries = bool(
+        model.jit_compile and own_step and _model_step.retries_on(model, model.optimizer)
+    )
+    keras_train_function = distribute_module.train_or_test_function(
+        model, model.train_step, model.train_function, retries=retries
+    )
+
+    def train_function(iterator):
+        logs = keras_train_function(iterator)
+        if isinstance(logs, dict):
+            # object.__setattr__: Keras would track the dict as part of the
+            # model (and take ~10 us a step doing so).
+            object.__setattr__(model, "_kmp_monitor_logs", _model_step.pop_monitor_logs(logs))
+        return logs
+
+    return train_function
+
+
+def test_function(model):
+    return distribute_module.train_or_test_function(model, model.test_step, model.test_function)
+
+
+def build_from_iterator(model, iterator, strategy):
+    """Builds `model` from this worker's batch under a multi-worker strategy.
+
+    Keras averages the first batch over replicas just to read its shapes,
+    which fails across workers; this worker's batch has them. Returns
+    whether it built.
+    """
+    if not distribute_module.is_multi_worker(strategy):
+        return False
+    distribute_module.symbolic_build(model, iterator)
+    return True
+
+
+def reporting_step(model, train_step, own):
+    """Wraps `model`'s `train_step` so that its logs carry the loss scalers' state.
+
+    Set once on the model instance by `kmp.Model.make_train_function` (a
+    subclass's own step, a GAN's or a VAE's, with no change to the user's
+    code; no class is changed). Before the step, each scaler the model holds
+    learns that it runs inside kmp.Model's train step (so gradients of a loss
+    that skipped `scale_loss` are applied undivided); after it, the logs
+    carry each scaler that applied (`loss_scale`, `skipped_steps`;
+    `d_optimizer_loss_scale`, ... for several).
+
+    Args:
+        model: The `kmp.Model`.
+        train_step: The function of its class, called with `(model, data)`.
+        own: Bool. Whether it is kmp.Model's own, where `overflow_retries`
+            applies.
+
+    Returns:
+        A function of `data`, to be set as the instance's `train_step`.
+    """
+    @functools.wraps(train_step)
+    def train_step_with_scaler_logs(data):
+        _model_step.check_overflow_retries(model, own)
+        with _model_step.inside_model_step(model, own) as scalers:
+            logs = train_step(model, data)
+            applied = _model_step.applied(scalers)
+            if applied and isinstance(logs, dict):
+                retrying = own and _model_step.retries_on(model, model.optimizer)
+                logs = dict(logs, **_model_step.scaler_logs(model, applied, retrying))
+        return logs
+
+    return train_step_with_scaler_logs
+
+
+def train_step(model, data, keras_train_step):
+    """Keras' own step (`keras_train_step`), with a skipped step kept out of
+    the epoch's logs.
+
+    Keras' step calls `optimizer.scale_loss(loss)` and
+    `optimizer.apply_gradients`, which is all kmp's scaler needs. Keras
+    would also count a skipped step's loss and metrics (one poisoned
+    batch would make the epoch's loss NaN, and `TerminateOnNaN` or
+    `EarlyStopping` react to a step that never happened): kmp restores
+    the metrics to what they were before a skipped step and counts its
+    loss apart; an epoch in which no step was applied logs the mean loss
+    of its skipped steps.
+    """
+    optimizer = model.optimizer
+    skipped_losses = getattr(model, "_kmp_skipped_losses", None)
+    if (
+        not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
+        or not optimizer.enabled
+        or skipped_losses is None
+        # Keras' step applies nothing then (it warns that the model has no
+        # trainable weights): no step to skip or redo.
+        or not model.trainable_weights
+    ):
+        logs = keras_train_step(data)
+        if getattr(model, "_kmp_attempt", None) is not None and isinstance(logs, dict):
+            logs = dict(logs, **{distribute_module.RETRY_LOG: ops.convert_to_tensor(False)})
+        return logs
+    retries = _model_step.retry_budget(model, optimizer)
+    attempt = getattr(model, "_kmp_attempt", None)
+    retry = None
+    if retries is not None and attempt is not None:
+        # kmp's train function redoes the batch around this compiled step
+        # (see `kmp.backends.tensorflow.distribute.make_function`): one attempt here.
+        with optimizer._kmp_record.asking(retries_left=retries - attempt):
+            _, retry = _one_attempt(model, data, optimizer, keras_train_step)
+    elif retries is not None:
+        _retry_overflows(model, data, optimizer, retries, keras_train_step)
+    else:
+        _one_attempt(model, data, optimizer, keras_train_step)
+    logs = dict(model.get_metrics_result())
+    if "loss" in logs:
+        logs["loss"] = ops.where(
+            _keras_internals.loss_tracker(model).count > 0, logs["loss"], skipped_losses.result()
+        )
+    if attempt is not None:
+        logs[distribute_module.RETRY_LOG] = (
+            ops.convert_to_tensor(False) if retry is None else ops.cast(retry, "bool")
+        )
+    return logs
+
+def _one_attempt(model, data, optimizer, keras_train_step):
+    """Keras' step on one batch; a skipped step leaves the metrics as they were.
+
+    Returns:
+        `(loss, retry)`: the unscaled loss and whether the optimizer asks
+        for the batch again (`None` without retries).
+    """
+    metric_variables = list(model.metrics_variables)
+    before = [tf.identity(v.value) for v in metric_variables]
+    record = optimizer._kmp_record
+    record.answer = None
+    keras_train_step(data)
+    answer = record.answer
+    if answer is None or answer.finite is None or answer.loss is None:
+        return (None, None) if answer is None else (answer.loss, answer.retry)
+    finite, loss, retry = answer.finite, answer.loss, answer.retry
+
+    # Selects, not a cond: on a CPU a cond costs more than a few scalar
+    # assigns, and the metric variables are a handful of scalars.
+    finite = ops.cast(finite, "bool")
+    for variable, value in zip(metric_variables, before):
+        variable.assign(ops.where(finite, variable.value, value))
+    # Only a dropped batch's loss counts as lost (not one about to be retried).
+    dropped = ops.logical_not(finite)
+    if retry is not None:
+        dropped = ops.logical_and(dropped, ops.logical_not(retry))
+    model._kmp_skipped_losses.update_state(
+        ops.where(dropped, ops.cast(loss, "float32"), 0.0)
+        * model.distribute_strategy.num_replicas_in_sync,
+        sample_weight=ops.cast(dropped, "float32"),
+    )
+    return loss, retry
+
+
+def _retry_overflows(model, data, optimizer, retries, keras_train_step):
+    """Redoes a batch whose gradients overflowed, at a lower scale.
+
+    ```
+    attempt = 0
+    do:
+        loss, retry = one attempt, `retries - attempt` retries left
+        attempt += 1
+    while retry   # the gradients overflowed, the loss did not, and
+                  # retries were left: the scale was backed off
+    ```
+
+    The first attempt is straight-line code; a `tf.while_loop` redoes the
+    batch only when it overflowed (a `tf.cond`). Under a
+    strategy every replica takes the same decision (on all-reduced
+    gradients), so all retry together. Under XLA the loop takes another
+    shape (`_retry_overflows_compiled`).
+    """
+    if not _keras_internals.supports_no_merge_call():
+        raise ValueError(
+            "`overflow_retries` needs the train step to run without "
+            "`merge_call`: no strategy, OneDeviceStrategy, or MirroredStrategy "
+            "on GPUs with `jit_compile=True`. This strategy "
+            f"({type(model.distribute_strategy).__name__}) synchronizes through "
+            "merge_call, which TensorFlow refuses inside the retry loop. "
+            "Received: overflow_retries=" f"{retries}"
+        )
+
+    if _keras_internals.in_xla_context():
+        _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
+        return
+
+    def attempt(count, retry, loss):
+        # An input of the scaler's step (`kmp._handoff.StepRequest`).
+        with optimizer._kmp_record.asking(retries_left=retries - count):
+            new_loss, new_retry = _one_attempt(model, data, optimizer, keras_train_step)
+        return count + 1, new_retry, ops.cast(new_loss, "float32")
+
+    # The first attempt runs as straight-line code: a step inside a
+    # `tf.while_loop` runs measurably slower (about 15% on a model of many
+    # small variables), so only a batch to redo enters the loop.
+    count, retry, loss = attempt(ops.convert_to_tensor(0), None, None)
+
+    # A function TensorFlow does not inline: the branch not taken is then one
+    # call op instead of the whole step again (whose skipped ops cost about
+    # 10% of a step on a model of many small variables).
+    @tf.function(autograph=False,
+                 experimental_attributes=_keras_internals.noinline_function_attributes())
+    def redo(count, retry, loss):
+        return tf.while_loop(lambda count, retry, loss: retry, attempt, (count, retry, loss))[2]
+
+    loss = tf.cond(retry, lambda: redo(count, retry, loss), lambda: loss)
+    # The loss of the attempt that counted, for the monitor's logs.
+    _answer_loss(optimizer, loss)
+
+
+def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step):
+    """`_retry_overflows` under XLA: the loop carries gradients, not variables.
+
+    ```
+    grads, finite, retry = attempt(0)    # forward, backward, check, scale;
+    while retry:                         # nothing applied yet
+        grads, finite, retry = attempt(count)
+    if finite:
+        apply(grads)                     # once, after the loop
+    ```
+
+    XLA compiles both branches of a conditional and every loop body, and
+    gives their outputs buffers of their own: a loop or a branch that may
+    write the variables (a whole step redone) copies every weight and slot
+    on every step, even when it does not run (a `tf.cond` around the retry
+    loop copied each kernel and slot twice per step). Here no loop or branch
+    writes a variable but the apply, whose skip branch alone copies them.
+    Without XLA, where a branch not taken costs its ops and no copies,
+    `_retry_overflows` keeps the loop that redoes whole steps.
+    """
+    record = optimizer._kmp_record
+
+    def attempt(count):
+        # Inputs of the scaler's step (`kmp._handoff.StepRequest`).
+        with record.asking(retries_left=retries - count, defer=True):
+            loss, retry = _one_attempt(model, data, optimizer, keras_train_step)
+        answer = record.answer
+        deferred = None if answer is None else answer.deferred
+        if deferred is None:  # the step applied no gradients through this scaler
+            raise ValueError(
+                "`overflow_retries` redoes batches whose gradients the model's optimizer "
+                f"applies; this train step applied none through {optimizer.name}. "
+                "Compile it with overflow_retries=0."
+            )
+        return count + 1, retry, ops.cast(loss, "float32"), answer.finite, deferred
+
+    count, retry, loss, finite, deferred = attempt(ops.convert_to_tensor(0))
+    # A sparse gradient (an embedding's `IndexedSlices`) enters the loop as
+    # its values and indices: its dense shape stays the first attempt's
+    # constant, which XLA needs to compile the sparse update.
+    dense_shapes = [getattr(g, "dense_shape", None) for g in deferred.grads]
+
+    def parts(grads):
+        return [(g.values, g.indices) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+    def redo(count, retry, loss, finite, grads, scale):
+        count, retry, loss, finite, again = attempt(count)
+        return count, retry, loss, finite, parts(again.grads), again.scale
+
+    _, _, loss, finite, grads, scale = tf.while_loop(
+        lambda count, retry, *_: retry,
+        redo,
+        (count, retry, loss, finite, parts(deferred.grads), deferred.scale),
+    )
+    grads = [g if shape is None else tf.IndexedSlices(g[0], g[1], shape)
+             for g, shape in zip(grads, dense_shapes)]
+    deferred.apply_if(finite, grads, scale)
+    # The loss of the attempt that counted, for the monitor's logs.
+    _answer_loss(optimizer, loss)
+
+
+def _answer_loss(optimizer, loss):
+    record = optimizer._kmp_record
+    if record.answer is not None:
+        record.answer = record.answer._replace(loss=loss)
+
+

@@ -4,14 +4,18 @@ One copy computes in float32, the other in the reduced dtype; both run the
 same batches forward and backward (no weight update). Each layer's outputs and
 gradients are measured against float16's range, the largest safe loss scale
 is searched, and a policy is recommended from what was measured.
+
+The passes themselves run in the backend's `probe` module
+(`kmp/backends/<backend>/probe.py`, reached through `kmp.backends.get`);
+everything here works on the NumPy arrays they return.
 """
 
 import math
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from kmp import backends
 from kmp import policy as policy_module
 from kmp._float16 import OVERFLOW_AT
 from kmp._float16 import SUBNORMAL_BELOW
@@ -246,54 +250,34 @@ class _Pass:
             self.weights.append(own)
 
     def run(self, x, y, loss_fns, scale):
-        flat_weights = [w for own in self.weights for w in own]
-        with tf.GradientTape() as tape:
-            layer_outputs, model_outputs = self.extractor(x, training=False)
-            layer_outputs = [
-                [t for t in keras.tree.flatten(o) if _is_float(t)] for o in layer_outputs
-            ]
-            predictions = [tf.cast(t, "float32") for t in keras.tree.flatten(model_outputs)]
-            targets = keras.tree.flatten(y)
-            if len(targets) != len(predictions) or len(loss_fns) != len(predictions):
-                raise ValueError(
-                    f"The model has {len(predictions)} output(s); `data` gave "
-                    f"{len(targets)} target(s) and `loss` {len(loss_fns)} "
-                    "loss(es). They must match."
-                )
-            loss = tf.add_n([
-                tf.reduce_mean(tf.cast(fn(target, prediction), "float32"))
-                for fn, target, prediction in zip(loss_fns, targets, predictions)
-            ])
-            scaled_loss = loss * scale
-        flat_outputs = [t for per_layer in layer_outputs for t in per_layer]
-        gradients = tape.gradient(
-            scaled_loss, flat_outputs + flat_weights,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        return backends.get("probe").run_pass(
+            self.extractor, self.weights, x, y, loss_fns, scale
         )
-        output_gradients, weight_gradients = [], []
-        position = 0
-        for per_layer in layer_outputs:
-            output_gradients.append(
-                [_numpy(g) / scale for g in gradients[position:position + len(per_layer)]]
-            )
-            position += len(per_layer)
-        for own in self.weights:
-            weight_gradients.append(
-                [_numpy(g) / scale for g in gradients[position:position + len(own)]]
-            )
-            position += len(own)
-        outputs = [[_numpy(t) for t in per_layer] for per_layer in layer_outputs]
-        return float(loss), outputs, output_gradients, weight_gradients
 
 
-def _numpy(tensor):
-    # An embedding's weight gradient is an IndexedSlices: densified, so the
-    # rows no id touched count as the zeros they are.
-    return np.asarray(tf.cast(tf.convert_to_tensor(tensor), "float32"))
+def targets_for(predictions, y, loss_fns):
+    """The targets of `y`, flat, once there are as many as outputs and losses.
 
+    Args:
+        predictions: List of the model's outputs, flat.
+        y: The batch's targets.
+        loss_fns: List of loss callables, one per model output.
 
-def _is_float(tensor):
-    return tensor is not None and tensor.dtype.is_floating
+    Returns:
+        The list of targets, in the order of `predictions`.
+
+    Raises:
+        ValueError: if the outputs, the targets and the losses are not as
+            many.
+    """
+    targets = keras.tree.flatten(y)
+    if len(targets) != len(predictions) or len(loss_fns) != len(predictions):
+        raise ValueError(
+            f"The model has {len(predictions)} output(s); `data` gave "
+            f"{len(targets)} target(s) and `loss` {len(loss_fns)} "
+            "loss(es). They must match."
+        )
+    return targets
 
 
 def _first_nonfinite(names, outputs, loss, output_grads, weight_grads, reduced_pass):

@@ -8,14 +8,16 @@ float16, float token ids rounded by a 16-bit cast, 16-bit outputs) without
 any data.
 
 This module checks the arguments and copies the model; the measurements are
-in `kmp/_diagnose_probe.py`, the static checks in `kmp/_diagnose_static.py`
-and the report in `kmp/_diagnose_report.py`.
+in `kmp/_diagnose_probe.py` (its forward and backward passes in the backend's
+`kmp/backends/<backend>/probe.py`), the static checks in
+`kmp/_diagnose_static.py` and the report in `kmp/_diagnose_report.py`.
 """
 
 import keras
 
 from kmp import _diagnose_probe
 from kmp import _keras_internals
+from kmp import backends
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
 from kmp._diagnose_report import DiagnosisReport
@@ -127,15 +129,9 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     report.to_json("report.json")
     ```
     """
-    if keras.backend.backend() != "tensorflow":
-        from kmp import _jax
-
-        raise _jax.unsupported(
-            "kmp.diagnose",
-            "Save the model (`model.save('model.keras')`) and run kmp.diagnose on it in a "
-            "process started with KERAS_BACKEND=tensorflow; training on JAX reports which "
-            "layer overflows through kmp.callbacks.LossScaleMonitor.",
-        )
+    # Before anything else, so a backend without the probe (JAX) says so
+    # whatever the arguments.
+    backends.get("probe").check_supported()
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an integer >= 1. Received: steps={steps!r}")
     _check_model(model)

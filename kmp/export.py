@@ -19,6 +19,7 @@ under `"float32"`).
 """
 
 import contextlib
+import importlib.util
 import os
 import zipfile
 
@@ -162,6 +163,9 @@ def export(
         ValueError: if `inference_policy` is not one of the names above (the
             model is not changed), or if Keras refuses the export (e.g. the
             model is not built).
+        ImportError: if `format` is `"tf_saved_model"` and TensorFlow is not
+            installed (on the JAX backend: a SavedModel is a TensorFlow
+            graph, which Keras builds with `jax2tf`).
 
     Example:
 
@@ -185,6 +189,8 @@ def export(
             "`model` must be a `keras.Model`. Received: "
             f"model={model!r} of type {type(model).__name__}"
         )
+    if format == "tf_saved_model":
+        _check_tensorflow_installed()
     # The layers are switched in place: the variables (float32 under every
     # kmp policy) are shared, so nothing is copied and the export sees
     # exactly the trained weights.
@@ -212,6 +218,27 @@ def export(
         archive.track(model)
         archive.add_endpoint("serve", serve, input_signature, **kwargs)
         archive.write_out(filepath, verbose=True if verbose is None else verbose)
+
+
+def _check_tensorflow_installed():
+    """Raises an error naming TensorFlow when a SavedModel cannot be written.
+
+    Looked up, not imported: on the JAX backend kmp's core imports no
+    TensorFlow, and Keras imports it when the export starts.
+    """
+    try:
+        found = importlib.util.find_spec("tensorflow") is not None
+    except (ImportError, ValueError):  # a finder that refuses it; a broken entry
+        found = False
+    if not found:
+        raise ImportError(
+            'Exporting a SavedModel (format="tf_saved_model", the default) needs '
+            'TensorFlow: pip install tensorflow (or pip install "kmp[tensorflow]"). '
+            "It is not installed here, and Keras writes a SavedModel's graph with "
+            "TensorFlow on every backend (this process runs "
+            f"KERAS_BACKEND={keras.backend.backend()!r}). Received: "
+            'format="tf_saved_model"'
+        )
 
 
 def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mode=True):

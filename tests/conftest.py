@@ -31,9 +31,10 @@ JAX_TESTS = (
     "test_format.py",
     "test_ledger.py",
     "test_keras_io_jax.py",
+    "test_without_tensorflow.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
-JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py")
+JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py")
 # Keras' own tests ported to kmp (tests/peers/, see its __init__.py): the files
 # whose originals run on every backend run in both passes; the TensorFlow pass
 # runs all of them (tf-keras' files, test_tfkeras_*.py, use TensorFlow itself).

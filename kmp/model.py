@@ -144,6 +144,32 @@ def _check_overflow_retries(overflow_retries):
 
 
 @functools.cache
+def _with_scaling_settings(model, config):
+    """`config` (Keras' compile config) with kmp's compile arguments."""
+    if config:  # Keras returns {} for a model that was never compiled.
+        config["loss_scale"] = getattr(model, "_kmp_loss_scale", "auto")
+        config["overflow_retries"] = getattr(model, "_kmp_overflow_retries", "auto")
+        # Whether the user passed the scaler (no retries by default); the
+        # loaded optimizer is passed to compile() again, which would
+        # otherwise take it for the user's.
+        config["users_scaler"] = _model_step.is_users_scaler(
+            model, getattr(model, "optimizer", None)
+        )
+    return config
+
+
+def _compile_from_config(model, config):
+    config = keras.saving.deserialize_keras_object(config)
+    # Files saved before kmp told the two apart: the scaler kmp made.
+    users_scaler = config.pop("users_scaler", False)
+    model.compile(**config)
+    object.__setattr__(
+        model, "_kmp_users_scaler", getattr(model, "optimizer", None) if users_scaler else None
+    )
+    if getattr(model, "optimizer", None) is not None and model.built:
+        model.optimizer.build(model.trainable_variables)
+
+
 def _functional_class(cls):
     """The functional class for instances of `cls`, a subclass of kmp.Model
     whose `__init__` calls `super().__init__(inputs, outputs)`.
@@ -301,7 +327,7 @@ class Model(_keras_internals.ModelBase):
         Raises:
             ValueError: if `loss_scale` or `overflow_retries` is not one of
                 the above, the model is under a `tf.distribute` strategy kmp
-                does not support (see `kmp.backends.tensorflow.distribute.check_strategy`), or,
+                does not support (`kmp/backends/tensorflow/distribute.py`), or,
                 on JAX, `overflow_retries` is an int > 0.
             NotImplementedError: on JAX, under a `tf.distribute` strategy's
                 scope (use `keras.distribution` there).
@@ -331,30 +357,12 @@ class Model(_keras_internals.ModelBase):
         object.__setattr__(self, "_kmp_skipped_losses", keras.metrics.Mean(name="skipped_loss"))
 
     def get_compile_config(self):
-        config = super().get_compile_config()
-        if config:  # Keras returns {} for a model that was never compiled.
-            config["loss_scale"] = getattr(self, "_kmp_loss_scale", "auto")
-            config["overflow_retries"] = getattr(self, "_kmp_overflow_retries", "auto")
-            # Whether the user passed the scaler (no retries by default); the
-            # loaded optimizer is passed to compile() again, which would
-            # otherwise take it for the user's.
-            config["users_scaler"] = _model_step.is_users_scaler(
-                self, getattr(self, "optimizer", None)
-            )
-        return config
+        return _with_scaling_settings(self, super().get_compile_config())
 
     def compile_from_config(self, config):
         # Keras skips compile() on load when a class overrides it; ours only
         # adds `loss_scale` and `overflow_retries`, which the config carries.
-        config = keras.saving.deserialize_keras_object(config)
-        # Files saved before kmp told the two apart: the scaler kmp made.
-        users_scaler = config.pop("users_scaler", False)
-        self.compile(**config)
-        object.__setattr__(
-            self, "_kmp_users_scaler", getattr(self, "optimizer", None) if users_scaler else None
-        )
-        if getattr(self, "optimizer", None) is not None and self.built:
-            self.optimizer.build(self.trainable_variables)
+        _compile_from_config(self, config)
 
     def export(
         self,

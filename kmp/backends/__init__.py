@@ -14,7 +14,7 @@ A backend module may import the core; the core imports a backend module only
 through `get`, when it is called.
 """
 
-import importlib
+import sys
 
 import keras
 
@@ -23,4 +23,11 @@ NAME = keras.backend.backend()
 
 def get(module):
     """Returns the running backend's module `module` ("step", "devices", ...)."""
-    return importlib.import_module(f"{__name__}.{NAME}.{module}")
+    name = f"{__name__}.{NAME}.{module}"
+    loaded = sys.modules.get(name)
+    if loaded is None:
+        # The builtin, not importlib: `get` runs inside steps AutoGraph
+        # converts, which would try to convert importlib's functions too.
+        __import__(name)
+        loaded = sys.modules[name]
+    return loaded

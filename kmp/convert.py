@@ -1,4 +1,8 @@
-"""kmp.convert and kmp.summary: bring any Keras model under a precision policy."""
+"""kmp.convert and kmp.summary: bring any Keras model under a precision policy.
+
+`kmp.summary`'s rows (each layer's dtypes, and why) and the table it prints
+come from `kmp/_layer_dtypes.py`.
+"""
 
 import contextlib
 import functools
@@ -8,6 +12,7 @@ import warnings
 import keras
 
 from kmp import _keras_internals
+from kmp import _layer_dtypes
 from kmp import _precision
 from kmp import model as model_module
 from kmp import policy as policy_module
@@ -524,17 +529,6 @@ def _check_has_call(model):
         )
 
 
-def _reasons(model):
-    rules = getattr(model, "_kmp_keep_float32", None)
-    plan = {}
-    if isinstance(model, model_module.Model):
-        plan = {
-            id(layer): (role, reason, hands_on)
-            for layer, role, reason, hands_on in policy_module._float32_plan(model, rules)
-        }
-    return plan
-
-
 def summary(model, print_fn=None):
     """Prints each layer's compute and variable dtype, and why.
 
@@ -564,60 +558,6 @@ def summary(model, print_fn=None):
     >>> [(row["class"], row["compute_dtype"]) for row in rows][1:]
     [('Dense', 'float16'), ('UnitNormalization', 'float32')]
     """
-    plan = _reasons(model)
-    model_policy = getattr(model.dtype_policy, "name", None)
-    rows, seen = [], set()
-    for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True):
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        compute_dtype = keras.backend.standardize_dtype(layer.compute_dtype)
-        policy_name = getattr(layer.dtype_policy, "name", str(layer.dtype_policy))
-        if id(layer) in plan:
-            role, reason, hands_on = plan[id(layer)]
-            if role == "island":
-                reason += f"; outputs cast back to {hands_on}"
-            compute_dtype = "float32"
-        elif isinstance(layer, keras.layers.InputLayer):
-            compute_dtype = keras.backend.standardize_dtype(layer.output.dtype)
-            reason = "model input (the data's dtype)"
-        elif not keras.backend.is_float_dtype(compute_dtype):
-            reason = f"policy {policy_name} (not floating point)"
-        elif policy_name != model_policy:
-            reason = f"dtype= on the layer ({policy_name}), kept"
-        else:
-            reason = f"policy {policy_name}"
-            if isinstance(layer, policy_module._KERAS_FLOAT32_MATH_CLASSES) and (
-                compute_dtype != "float32"
-            ):
-                reason += "; Keras computes its statistics in float32"
-        rows.append(
-            {
-                "layer": policy_module._layer_label(layer),
-                "class": type(layer).__name__,
-                "compute_dtype": compute_dtype,
-                "variable_dtype": (
-                    keras.backend.standardize_dtype(layer.variable_dtype)
-                    if layer.weights
-                    else "-"
-                ),
-                "reason": reason,
-            }
-        )
-    header = ("layer", "class", "compute", "variables", "why")
-    table = [header] + [
-        (r["layer"], r["class"], r["compute_dtype"], r["variable_dtype"], r["reason"])
-        for r in rows
-    ]
-    widths = [max(len(str(row[i])) for row in table) for i in range(4)]
-    lines = [
-        "  ".join(str(cell).ljust(width) for cell, width in zip(row[:4], widths))
-        + "  "
-        + row[4]
-        for row in table
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    (print_fn or print)(
-        f"Model {model.name!r}, policy {model_policy}\n" + "\n".join(lines)
-    )
+    rows = _layer_dtypes.layer_rows(model)
+    (print_fn or print)(_layer_dtypes.format_table(model, rows))
     return rows

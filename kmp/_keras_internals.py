@@ -31,7 +31,7 @@ uses it says more):
 | `BackupAndRestore._current_epoch`, `_last_batch_seen`, `_training_metadata_path` | `BackupAndRestoreBase`'s `_kmp_*` properties | `checkpoint.py` | the epoch and batch a backup records, which Keras' `on_epoch_end` and `_should_save_on_batch` keep too, reset at each `on_train_begin`; where kmp records them |
 | `ModelCheckpoint._save_model` (overridden), `_get_file_path`, `_should_save_model` | `ModelCheckpointBase` | `checkpoint.py` | the save Keras' callback calls for every checkpoint: the file and whether to save stay Keras', the write is kmp's atomic one (`_kmp_write_checkpoint`) |
 | `Tensor._keras_logits` | `keep_logits` | `policy.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
-| `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `_scaling_step.py`, `callbacks.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
+| `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `_scaling_step.py`, `_monitor_steps.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
 | `Optimizer._filter_empty_gradients` | `filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
 | `Optimizer._get_variable_index` | `variable_index` | `_scaling_step.py` | which variable overflowed, for the monitor |
 | `Optimizer._overwrite_variable_with_gradient` | `overwrites_with_gradient` | `_scaling_step.py`, `backends/tensorflow/step.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
@@ -236,7 +236,7 @@ class ModelCheckpointBase(keras.callbacks.ModelCheckpoint):
         raise NotImplementedError(f"{type(self).__name__} writes nothing: define `_kmp_write_checkpoint`.")
 
 
-# --- the scaler's step (kmp/loss_scale.py, kmp/callbacks.py) ---
+# --- the scaler's step (kmp/loss_scale.py, kmp/_scaling_step.py, kmp/backends/*/step.py, kmp/_monitor_steps.py) ---
 
 
 def built_variables(optimizer):

@@ -14,7 +14,7 @@ import numpy as np
 
 from kmp import _keras_internals
 from kmp import _monitor_messages as messages
-from kmp import loss_scale as loss_scale_module
+from kmp import _scaling_step
 from kmp._ledger import Ledger
 from kmp._monitor_csv import StepCsv
 from kmp._monitor_plot import write_plot
@@ -54,7 +54,7 @@ def _read_step(model, optimizer, logs, loss_log="loss"):
         # Not a kmp.Model, several replicas, a custom train_step or another
         # optimizer: read the optimizer (one small host read per step) and
         # take the loss from the logs (the epoch's mean, for Keras' own step).
-        counters, nonfinite_gradients = loss_scale_module.monitor_state(optimizer)
+        counters, nonfinite_gradients = _scaling_step.monitor_state(optimizer)
         # Copied now: on JAX a variable's value read during fit is an input
         # of the next step, which may reuse (donate) its buffer.
         nonfinite_gradients = np.array(nonfinite_gradients)

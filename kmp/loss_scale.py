@@ -37,8 +37,6 @@ from kmp import _scaling_rule
 from kmp import _scaling_step
 from kmp import backends
 from kmp._gradients import all_finite  # noqa: F401  (public in this module)
-# kmp.callbacks reads the monitor's state through this module.
-from kmp._scaling_step import monitor_state  # noqa: F401
 from kmp._scaling_rule import LossScaleState  # noqa: F401  (public in this module)
 from kmp._scaling_rule import update_loss_scale  # noqa: F401  (public in this module)
 

@@ -15,7 +15,6 @@ The same names as `kmp/backends/jax/trainer.py` (`train_step`,
 
 import functools
 
-import keras
 import tensorflow as tf
 from keras import ops
 
@@ -23,8 +22,6 @@ from kmp import _keras_internals
 from kmp import _model_step
 from kmp import loss_scale as loss_scale_module
 from kmp.backends.tensorflow import distribute as distribute_module
-from kmp.backends.tensorflow import replicas as replicas_module
-from kmp.backends.tensorflow import step as step_module
 
 
 # Set once on the instance: each `tf.function` Keras makes traces it afresh
@@ -171,6 +168,7 @@ def train_step(model, data, keras_train_step):
             ops.convert_to_tensor(False) if retry is None else ops.cast(retry, "bool")
         )
     return logs
+
 
 def _one_attempt(model, data, optimizer, keras_train_step):
     """Keras' step on one batch; a skipped step leaves the metrics as they were.

@@ -143,7 +143,6 @@ def _check_overflow_retries(overflow_retries):
         )
 
 
-@functools.cache
 def _with_scaling_settings(model, config):
     """`config` (Keras' compile config) with kmp's compile arguments."""
     if config:  # Keras returns {} for a model that was never compiled.
@@ -170,6 +169,7 @@ def _compile_from_config(model, config):
         model.optimizer.build(model.trainable_variables)
 
 
+@functools.cache
 def _functional_class(cls):
     """The functional class for instances of `cls`, a subclass of kmp.Model
     whose `__init__` calls `super().__init__(inputs, outputs)`.

@@ -3,15 +3,8 @@
 One process restores the newest backup its metadata names that loads (the
 latest, else the previous one, with a warning). Several workers restore the
 same backup: the newest one that every worker holds, agreed on through
-all-gathers that every worker makes at the same point.
-
-Why every worker holds a common backup: a worker writes its backup of epoch
-k (number n + 1, previous n) at the end of epoch k, and its rewrite (n + 2,
-previous n again) before its first step of epoch k + 1; no worker can finish
-that epoch's steps (collectives) and write another backup before every worker
-has started them, i.e. written its own. So a worker killed between its own
-saves and another's leaves every worker holding backup n (or, at the first
-epoch, nothing to restore: every worker starts over).
+all-gathers that every worker makes at the same point (why such a backup
+always exists: the end of `kmp/checkpoint.py`'s docstring).
 """
 
 import warnings
@@ -44,9 +37,14 @@ def held_backups(latest, previous):
 
 
 def restore_newest(candidates, restore, commit, folder):
-    """Restores the first of `candidates` (metadata entries, latest first)
-    that loads, with `restore(entry)`; `commit(entry)` makes a fallback the
-    latest backup. One process.
+    """Restores the first backup that loads, for one process.
+
+    Args:
+        candidates: List of the metadata entries, latest first.
+        restore: Callable restoring one entry.
+        commit: Callable making an entry the latest backup: a fallback to
+            the previous one is committed, with a warning.
+        folder: String. The folder, for the messages.
 
     Raises:
         UnsafeBackupError: at once, for a backup that is not a regular file.

@@ -31,6 +31,7 @@ JAX_TESTS = (
     "test_format.py",
     "test_ledger.py",
     "test_keras_io_jax.py",
+    "test_checkpoint_backends.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
 JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py")

@@ -76,8 +76,15 @@ between its own saves and another's leaves every worker holding backup n
 the newest backup they all hold is restored. Workers make the same rewrite
 decisions (their variables and callbacks are the same), so one number means
 one state on every worker.
-"""
 
+Where each part lives: this module holds the two callbacks and
+`write_atomically`; the atomic writes are `kmp/_atomic_files.py`, the
+metadata and its checks `_backup_records.py`, the lock `_backup_lock.py`, the
+writes into one process's folder `_backup_folder.py`, the restore of one
+backup `_backup_restore.py`, the choice of which backup (one process, or
+agreed by the workers) `_backup_choice.py`, and which worker this process is
+and the workers' all-gather `kmp/backends/<backend>/checkpoint.py`.
+"""
 
 import json
 import os

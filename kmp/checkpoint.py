@@ -76,129 +76,31 @@ between its own saves and another's leaves every worker holding backup n
 the newest backup they all hold is restored. Workers make the same rewrite
 decisions (their variables and callbacks are the same), so one number means
 one state on every worker.
+
+Where each part lives: this module holds the two callbacks and
+`write_atomically`; the atomic writes are `kmp/_atomic_files.py`, the
+metadata and its checks `_backup_records.py`, the lock `_backup_lock.py`, the
+writes into one process's folder `_backup_folder.py`, the restore of one
+backup `_backup_restore.py`, the choice of which backup (one process, or
+agreed by the workers) `_backup_choice.py`, and which worker this process is
+and the workers' all-gather `kmp/backends/<backend>/checkpoint.py`.
 """
 
-import datetime
-import errno
-import hashlib
 import json
-import math
-import numbers
 import os
-import re
-import secrets
-import socket
-import stat
-import tempfile
-import warnings
 
 import keras
-import numpy as np
-import tensorflow as tf
 
+from kmp import _atomic_files
+from kmp import _backup_choice
+from kmp import _backup_folder
+from kmp import _backup_records
+from kmp import _backup_restore
 from kmp import _keras_internals
-from kmp.backends.tensorflow import distribute as _distribute
+from kmp import backends
 
-try:
-    import fcntl
-except ImportError:  # Windows: no flock; a second run is not refused there.
-    fcntl = None
-
-# `\Z`, not `$`: `$` also matches before a final newline.
-_BACKUP_PATTERN = re.compile(r"\Abackup-(\d+)\.weights\.h5\Z", re.ASCII)
-_METADATA_NAME = "training_metadata.json"
-_LOCK_NAME = "kmp-backup.lock"
-_PARTIAL_MARK = ".partial"
-# The temporary names `write_atomically` gives the files of a backup folder
-# (`.<stem>.partial-<pid>-<token><suffix>`, and without the token as kmp named
-# them before), so that end of training and pruning delete those and no other
-# hidden file.
-_BACKUP_PARTIAL_PATTERN = re.compile(
-    r"\A\.(backup-\d+|training_metadata)\.partial-\d+(-[0-9a-f]{16})?"
-    r"\.(weights\.h5|json)\Z",
-    re.ASCII,
-)
 # What a worker whose metadata cannot be read reports as its latest backup.
-_UNREADABLE = -2
-# Larger than any metadata kmp writes (a few hundred bytes per monitor).
-_MAX_METADATA_BYTES = 1 << 20
-_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def _split_suffix(filepath):
-    """`("dir/name", ".weights.h5")` for Keras' two-part suffix, else splitext."""
-    for suffix in (".weights.h5", ".weights.json"):
-        if filepath.endswith(suffix):
-            return filepath[: -len(suffix)], suffix
-    return os.path.splitext(filepath)
-
-
-def _fsync_path(path, directory=False):
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
-    try:
-        fd = os.open(path, flags | _NO_FOLLOW)
-    except OSError:
-        return  # Directories cannot be opened on Windows; replace is still atomic.
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _create_partial(filepath):
-    """Creates a new, empty temporary file beside `filepath`; returns `(fd, path)`.
-
-    The name carries the pid and a random token, and the file is created
-    with `O_CREAT | O_EXCL | O_NOFOLLOW`: whatever already sits at a name
-    (a file, a link planted by someone who can write to the folder) makes
-    the creation fail and another name is drawn; nothing is ever followed or
-    truncated. The mode is `0o666` less the umask, as for `open(path, "w")`.
-    """
-    stem, suffix = _split_suffix(filepath)
-    directory, name = os.path.split(stem)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | _CLOEXEC
-    for _ in range(100):
-        partial = os.path.join(
-            directory,
-            f".{name}{_PARTIAL_MARK}-{os.getpid()}-{secrets.token_hex(8)}{suffix}",
-        )
-        try:
-            return os.open(partial, flags, 0o666), partial
-        except FileExistsError:
-            continue
-    raise FileExistsError(
-        errno.EEXIST, "No free temporary name after 100 random draws", partial
-    )
-
-
-def _write_atomically(filepath, write_fd=None, write_path=None):
-    """`write_atomically`, writing through the new file's descriptor
-    (`write_fd(fd)`) or, for writers that want a path (Keras' savers),
-    through the path of the file just created (`write_path(path)`)."""
-    fd, partial = _create_partial(filepath)
-    try:
-        if write_fd is not None:
-            write_fd(fd)
-            os.fsync(fd)
-            os.close(fd)
-            fd = None
-        else:
-            os.close(fd)
-            fd = None
-            write_path(partial)
-            _fsync_path(partial)
-        os.replace(partial, filepath)
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        if os.path.lexists(partial):
-            os.remove(partial)
-        raise
-    _fsync_path(os.path.dirname(filepath) or ".", directory=True)
-    return filepath
+_UNREADABLE = _backup_choice.UNREADABLE
 
 
 def write_atomically(filepath, write):
@@ -232,417 +134,20 @@ def write_atomically(filepath, write):
         # Object stores publish an object only once it is fully uploaded.
         write(filepath)
         return filepath
-    return _write_atomically(filepath, write_path=write)
-
-
-def _h5_variables(path):
-    """`{dataset path: shape}` of a Keras weights file."""
-    import h5py
-
-    variables = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(
-            lambda name, item: variables.__setitem__(name, tuple(item.shape))
-            if isinstance(item, h5py.Dataset)
-            else None
-        )
-    return variables
-
-
-def _mismatched_variables(model, filepath):
-    """What differs between the variables stored in `filepath` and those
-    `model` would store, in the file's own layout (`layers/dense_1/vars/0`,
-    `optimizer/vars/3`); `""` if nothing differs or a file cannot be read."""
-    try:
-        with tempfile.TemporaryDirectory() as directory:
-            own = os.path.join(directory, "model.weights.h5")
-            model.save_weights(own)
-            expected = _h5_variables(own)
-        stored = _h5_variables(filepath)
-    except (OSError, ValueError):
-        return ""
-    parts = []
-
-    def listed(names, describe):
-        shown = ", ".join(describe(name) for name in names[:8])
-        return shown + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-
-    differ = sorted(n for n in stored.keys() & expected.keys() if stored[n] != expected[n])
-    if differ:
-        parts.append("shapes differ (backup vs model): " + listed(
-            differ, lambda n: f"{n} {stored[n]} vs {expected[n]}"))
-    only_stored = sorted(stored.keys() - expected.keys())
-    if only_stored:
-        parts.append("only in the backup: " + listed(only_stored, str))
-    only_expected = sorted(expected.keys() - stored.keys())
-    if only_expected:
-        parts.append("missing from the backup: " + listed(only_expected, str))
-    return "; ".join(parts)
-
-
-def _load_weights_strictly(model, filepath):
-    """`model.load_weights`, with any variable Keras could not load (a
-    "skipping variable loading" warning in older Keras, an error in newer)
-    turned into one error naming the file and the variables that differ: a
-    file that lacks the optimizer state, or holds another architecture's,
-    must not resume training from a fresh optimizer."""
-    problem = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            model.load_weights(filepath)
-        except ValueError as error:
-            problem = str(error).strip().split("\n")[0]
-    for warning in caught:
-        message = str(warning.message).strip()
-        if "Skipping variable loading" in message or "could not be loaded" in message:
-            problem = problem or message.split("\n")[0]
-            continue
-        warnings.warn_explicit(
-            warning.message, warning.category, warning.filename, warning.lineno
-        )
-    if problem is None:
-        return
-    mismatched = _mismatched_variables(model, filepath)
-    raise ValueError(
-        f"The backup {filepath!r} does not match the model: "
-        + (f"its variables are another model's ({mismatched}). " if mismatched else "")
-        + f"Keras says: {problem} Refusing to resume from a partial state. "
-        "Resume with the model the backup was written by, or delete the "
-        "backup directory to start over."
-    ) from None
-
-
-_MONITOR_ATTRIBUTES = ("best", "wait", "best_epoch", "stopped_epoch", "cooldown_counter")
-
-
-def _monitor_state(monitor):
-    """The JSON-able counters of a monitoring callback (`None` stays `None`)."""
-    state = {}
-    for name in _MONITOR_ATTRIBUTES:
-        if not hasattr(monitor, name):
-            continue
-        value = getattr(monitor, name)
-        if value is None:
-            state[name] = None
-        elif isinstance(value, numbers.Integral):
-            state[name] = int(value)
-        else:
-            # numpy and tensor scalars; json writes inf as Infinity.
-            state[name] = float(value)
-    return state
-
-
-def _sha256_of_fd(fd):
-    digest = hashlib.sha256()
-    os.lseek(fd, 0, os.SEEK_SET)
-    for block in iter(lambda: os.read(fd, 1 << 20), b""):
-        digest.update(block)
-    return digest.hexdigest()
-
-
-def _sha256(path):
-    fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
-    try:
-        return _sha256_of_fd(fd)
-    finally:
-        os.close(fd)
-
-
-def _backup_number(entry):
-    """The `<n>` of the `backup-<n>.weights.h5` a metadata entry names; -1
-    for no entry, 0 for Keras' own layout (`latest.weights.h5`). Entries are
-    validated (`_check_metadata`) before this is asked."""
-    if not entry:
-        return -1
-    match = _BACKUP_PATTERN.match(entry.get("weights", ""))
-    return int(match.group(1)) if match else 0
-
-
-def _held_backups(latest, previous):
-    """The backups a worker can restore, given the numbers of its latest and
-    previous backups (-1: none); -1 in the result: it can start over.
-
-    A worker holding nothing can start over, and so can one whose latest
-    backup is one of a run's first two (the backup of the first epoch, and
-    the rewrite of it, see `BackupAndRestore._update_epoch_backup`) with
-    nothing before it: another worker may have died before writing its
-    first. Later backups of several workers always keep their previous one.
-    """
-    if latest < 0:
-        return {-1}
-    held = {latest}
-    if previous >= 0:
-        held.add(previous)
-    elif latest <= 1:
-        held.add(-1)
-    return held
-
-
-def _is_count(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_monitor_states(states):
-    """The problem with a metadata `monitors` entry, or `None`."""
-    if not isinstance(states, list):
-        return "a list of one object per monitor"
-    for index, state in enumerate(states):
-        if not isinstance(state, dict):
-            return f"a list of objects (item {index} is not one)"
-        for name, value in state.items():
-            if name not in _MONITOR_ATTRIBUTES:
-                return (
-                    f"counters among {', '.join(_MONITOR_ATTRIBUTES)} (item "
-                    f"{index} has {name!r})"
-                )
-            if name == "best":
-                # Keras' own initial `best` is None or +-inf; NaN never is.
-                ok = value is None or (
-                    isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                    and not math.isnan(value)
-                )
-            else:
-                ok = value is None or _is_count(value)
-            if not ok:
-                return (
-                    f"numbers (item {index} has {name}={value!r}; `best` is a "
-                    "number, the others are counts >= 0)"
-                )
-    return None
-
-
-# The keys of a metadata entry: what each must be, and a check.
-_METADATA_KEYS = {
-    "epoch": ("an integer >= 0", _is_count),
-    "batch": ("an integer >= 0", _is_count),
-    "weights": (
-        "a file name of the form backup-<n>.weights.h5 (no folder)",
-        lambda value: isinstance(value, str) and bool(_BACKUP_PATTERN.match(value)),
-    ),
-    "sha256": (
-        "64 lowercase hexadecimal digits",
-        lambda value: isinstance(value, str) and bool(re.fullmatch(r"[0-9a-f]{64}", value)),
-    ),
-}
-
-
-def _check_metadata(metadata, path, prefix=""):
-    """Raises a `ValueError` naming `path`, the key and the value for
-    metadata that kmp (or Keras, for its own layout) would not have written."""
-
-    def refuse(key, value, expected):
-        shown = repr(value)
-        shown = shown if len(shown) <= 300 else shown[:297] + "..."
-        raise ValueError(
-            f"The backup metadata {path!r} is not valid: `{prefix}{key}` must "
-            f"be {expected}. Received: {prefix}{key}={shown}. It was not "
-            "written by kmp.callbacks.BackupAndRestore; nothing was restored. "
-            "Delete the backup directory to start over."
-        )
-
-    if not isinstance(metadata, dict):
-        shown = repr(metadata)
-        raise ValueError(
-            f"The backup metadata {path!r} is not valid: it must be a JSON "
-            "object with the keys epoch, batch, weights, sha256, monitors and "
-            f"previous. Received: {shown if len(shown) <= 80 else shown[:77] + '...'}. "
-            "Delete the backup directory to start over."
-        )
-    allowed = set(_METADATA_KEYS) | {"monitors"} | ({"previous"} if not prefix else set())
-    for key in metadata:
-        if key not in allowed:
-            refuse(key, metadata[key], f"absent (the keys are {', '.join(sorted(allowed))})")
-    if "epoch" not in metadata:
-        refuse("epoch", None, "present, " + _METADATA_KEYS["epoch"][0])
-    for key, (expected, check) in _METADATA_KEYS.items():
-        if key in metadata and not check(metadata[key]):
-            refuse(key, metadata[key], expected)
-    if "monitors" in metadata:
-        problem = _check_monitor_states(metadata["monitors"])
-        if problem:
-            refuse("monitors", metadata["monitors"], problem)
-    if "previous" in metadata:
-        previous = metadata["previous"]
-        if not isinstance(previous, dict) or "weights" not in previous:
-            refuse("previous", previous, "an earlier entry naming its weights")
-        _check_metadata(previous, path, prefix="previous.")
+    return _atomic_files.write_then_replace(filepath, write_path=write)
 
 
 def _this_worker(strategy):
-    """`(task name, is chief)` in a cluster of several workers, else `None`."""
-    if not _distribute.is_multi_worker(strategy):
-        return None
-    resolver = strategy.cluster_resolver
-    cluster = resolver.cluster_spec().as_dict()
-    if sum(len(cluster.get(job, ())) for job in ("chief", "worker")) <= 1:
-        return None
-    return f"{resolver.task_type}-{resolver.task_id}", bool(
-        strategy.extended.should_checkpoint
-    )
+    """`(task name, is chief)` in a cluster of several workers, else `None`
+    (the running backend's `checkpoint.this_worker`)."""
+    return backends.get("checkpoint").this_worker(strategy)
 
 
 def _gather_from_workers(strategy, task, value):
-    """`{task name: value}` over the cluster's workers, `value` an int.
-
-    An all-gather in eager mode; every worker must call it at the same point
-    (collectives match by order), which `fit`'s callbacks guarantee.
-    """
-    task_type, task_id = task.rsplit("-", 1)
-    local = tf.constant(
-        [[0 if task_type == "chief" else 1, int(task_id), int(value)]], tf.int64
-    )
-    per_replica = strategy.experimental_distribute_values_from_function(
-        lambda _: local
-    )
-    rows = strategy.gather(per_replica, axis=0).numpy()
-    # One row per replica: a worker with several devices appears several times.
-    return {
-        f"{'chief' if job == 0 else 'worker'}-{index}": int(value)
-        for job, index, value in rows
-    }
-
-
-# The backup folders this process holds, by real path of the lock file: a
-# second `fit` in this process (a notebook cell run again after an interrupted
-# one, with a new callback) takes the lock over instead of being refused by
-# its own process.
-_HELD_LOCKS = {}
-
-
-class _FolderLock:
-    """An exclusive `flock` on `<folder>/kmp-backup.lock`.
-
-    The OS drops the lock when the holding process dies, however it dies
-    (SIGKILL included), so a killed run never leaves a folder locked. The
-    lock file holds the holder's pid, host and start time, for the error
-    that refuses a second run.
-    """
-
-    def __init__(self, folder):
-        self.folder = folder
-        self.path = os.path.join(folder, _LOCK_NAME)
-        self.fd = None
-        self.owner = None
-
-    @classmethod
-    def acquire(cls, folder, owner):
-        path = os.path.realpath(os.path.join(folder, _LOCK_NAME))
-        held = _HELD_LOCKS.get(path)
-        if held is not None and held.still_ours():
-            held.owner = owner
-            return held
-        if held is not None:  # Its lock file was deleted: the lock is moot.
-            held.close()
-        lock = cls(folder)
-        lock.owner = owner
-        lock._acquire()
-        _HELD_LOCKS[path] = lock
-        return lock
-
-    def still_ours(self):
-        """Whether the lock file is still the file this process locked."""
-        if self.fd is None:
-            return False
-        try:
-            return _same_file(os.fstat(self.fd), os.lstat(self.path))
-        except OSError:
-            return False
-
-    def _acquire(self):
-        flags = os.O_RDWR | os.O_CREAT | _NO_FOLLOW | _CLOEXEC
-        # A lock file deleted by its holder at the end of its training
-        # between our open and our flock is not the folder's lock any more:
-        # open again (a few times at most; each retry means a run just ended).
-        for _ in range(10):
-            try:
-                fd = os.open(self.path, flags, 0o644)
-            except OSError as error:
-                raise ValueError(
-                    f"The backup lock {self.path!r} cannot be opened ({error}); "
-                    "it must be a regular file, not a link. Delete it if no run "
-                    f"uses {self.folder!r}."
-                ) from None
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise ValueError(
-                    f"The backup lock {self.path!r} is not a regular file. "
-                    f"Delete it if no run uses {self.folder!r}."
-                )
-            if fcntl is None:
-                break
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                holder = _read_holder(fd)
-                os.close(fd)
-                if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise
-                raise RuntimeError(
-                    f"The backup folder {self.folder!r} is in use by another "
-                    f"training run: {holder} holds {self.path!r}. Two runs on "
-                    "one backup_dir would restore and overwrite each other's "
-                    "backups. Give this run a backup_dir of its own, or stop "
-                    "the other run first (a run that died, even by SIGKILL, "
-                    "releases the folder by itself)."
-                ) from None
-            try:
-                if _same_file(os.fstat(fd), os.lstat(self.path)):
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        else:
-            raise RuntimeError(f"Could not lock {self.path!r}: it keeps being replaced.")
-        self.fd = fd
-        holder = json.dumps({
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"),
-        })
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, holder.encode())
-
-    def release(self, owner):
-        """Deletes the lock file and unlocks, if `owner` holds the lock."""
-        if self.owner is not owner or self.fd is None:
-            return
-        if self.still_ours():
-            os.remove(self.path)
-        self.close()
-
-    def close(self):
-        if self.fd is not None:
-            os.close(self.fd)  # Closing the last descriptor releases the flock.
-            self.fd = None
-        for path, lock in list(_HELD_LOCKS.items()):
-            if lock is self:
-                del _HELD_LOCKS[path]
-
-
-def _same_file(a, b):
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _read_holder(fd):
-    """`process <pid> on <host>, started <time>` from a lock file."""
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        holder = json.loads(os.read(fd, 4096).decode())
-        return (
-            f"process {int(holder['pid'])} on {str(holder['host'])[:100]}, "
-            f"started {str(holder['started'])[:40]}"
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return "a process that has not written its name yet"
-
-
-class _UnsafeBackupError(ValueError):
-    """A backup path that is not a regular file kmp wrote (a link, a
-    folder): refused outright, never a reason to fall back to another."""
+    """`{task name: value}` over the cluster's workers, `value` an int: an
+    all-gather every worker makes at the same point (the running backend's
+    `checkpoint.gather_from_workers`)."""
+    return backends.get("checkpoint").gather_from_workers(strategy, task, value)
 
 
 class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
@@ -795,93 +300,20 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         # `(metadata entry, variables digest)` of the backup written at the
         # last epoch's end, until the next epoch's start checks it.
         self._epoch_backup = None
-        # This process's own folder, and its task in a multi-worker cluster
-        # (`(name, is_chief)`, or `None`); set when training begins.
-        self._folder = backup_dir
+        # This process's own folder (`_backup_folder.BackupFolder`), and its
+        # task in a multi-worker cluster (`(name, is_chief)`, or `None`); set
+        # when training begins.
+        self._folder = _backup_folder.BackupFolder(backup_dir)
         self._worker = None
-        self._lock = None
 
     def _use_folder_of_this_process(self):
         # No `distribute_strategy` on JAX: one process, one folder.
         self._worker = _this_worker(getattr(self.model, "distribute_strategy", None))
         if self._worker is None or self._worker[1]:
-            self._folder = self.backup_dir
+            self._folder.use(self.backup_dir)
         else:
-            self._folder = os.path.join(self.backup_dir, self._worker[0])
-        self._kmp_training_metadata_path = os.path.join(self._folder, _METADATA_NAME)
-
-    def _lock_folder(self):
-        """Creates this process's folder and locks it (see `_FolderLock`)."""
-        os.makedirs(self._folder, exist_ok=True)
-        if os.path.islink(self._folder) and self._folder != self.backup_dir:
-            # A worker's folder is kmp's own: a link there was planted.
-            raise ValueError(
-                f"The worker's backup folder {self._folder!r} is a symbolic "
-                "link; kmp creates it as a folder. Delete it to start over."
-            )
-        self._lock = _FolderLock.acquire(self._folder, owner=self)
-
-    def _release_lock(self):
-        if self._lock is not None:
-            self._lock.release(owner=self)
-            self._lock = None
-
-    def _backup_files(self):
-        files = []
-        for name in os.listdir(self._folder):
-            match = _BACKUP_PATTERN.match(name)
-            if match:
-                files.append((int(match.group(1)), os.path.join(self._folder, name)))
-        return [path for _, path in sorted(files)]
-
-    def _read_metadata(self):
-        """The checked metadata of this process's folder, or `None`."""
-        path = self._kmp_training_metadata_path
-        try:
-            fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as error:
-            if os.path.islink(path):
-                raise ValueError(
-                    f"The backup metadata {path!r} is a symbolic link; kmp "
-                    "reads only the regular file it wrote there. Nothing was "
-                    "restored. Delete the backup directory to start over."
-                ) from None
-            raise ValueError(f"The backup metadata {path!r} cannot be read: {error}") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_METADATA_BYTES:
-                raise ValueError(
-                    f"The backup metadata {path!r} is not a regular file of at "
-                    f"most {_MAX_METADATA_BYTES} bytes (size {info.st_size}); it "
-                    "was not written by kmp.callbacks.BackupAndRestore. Delete "
-                    "the backup directory to start over."
-                )
-            data = b"".join(iter(lambda: os.read(fd, 1 << 16), b""))
-        finally:
-            os.close(fd)
-        try:
-            metadata = json.loads(data.decode("utf-8"))
-        except ValueError:
-            raise ValueError(
-                f"The backup metadata {path!r} is not valid JSON (received "
-                f"{data[:80]!r}); it was not written by "
-                "kmp.callbacks.BackupAndRestore, which replaces it atomically. "
-                "Delete the backup directory to start over."
-            ) from None
-        _check_metadata(metadata, path)
-        return metadata
-
-    def _write_metadata(self, metadata):
-        data = json.dumps(metadata).encode()
-
-        def write(fd):
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-
-        _write_atomically(self._kmp_training_metadata_path, write_fd=write)
+            self._folder.use(os.path.join(self.backup_dir, self._worker[0]))
+        self._kmp_training_metadata_path = self._folder.metadata_path
 
     def _kmp_load_backup(self):
         if not self.model.built:
@@ -891,200 +323,29 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
                 f"batch of data. Received: unbuilt model {self.model.name!r}"
             )
         self._use_folder_of_this_process()
-        self._lock_folder()
+        self._folder.lock(owner=self)
+        folder = self._folder
         if self._worker is None:
-            self._restore_newest(self._candidates())
-        else:
-            self._restore_agreed()
-
-    def _candidates(self):
-        """The backups the metadata names, latest first."""
-        metadata = self._read_metadata()
-        if metadata is None:
-            return []
-        return [metadata] + ([metadata["previous"]] if metadata.get("previous") else [])
-
-    def _restore_newest(self, candidates):
-        """Restores the first candidate that loads (one process)."""
-        errors = []
-        for candidate in candidates:
-            try:
-                self._restore(candidate)
-            except _UnsafeBackupError:
-                raise  # Planted, not damaged: no fallback to another file.
-            except (OSError, ValueError) as error:
-                errors.append(error)
-                continue
-            if errors:
-                warnings.warn(
-                    f"Resuming from the previous backup in {self._folder!r} "
-                    f"(epoch {candidate['epoch']}): the latest could not be "
-                    f"restored. {errors[0]}",
-                    stacklevel=2,
-                )
-                self._commit_restored(candidate)
+            _backup_choice.restore_newest(
+                folder.candidates(), self._restore, folder.commit_restored, folder.path
+            )
             return
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise ValueError(
-                f"No complete backup could be restored from {self._folder!r}. "
-                "Tried: " + " ".join(str(error) for error in errors)
-            )
-
-    def _restore_agreed(self):
-        """Restores the same backup on every worker: the newest one that
-        every worker holds (as its latest or its previous backup).
-
-        Three all-gathers, at the same point on every worker: the latest
-        backup numbers, the previous ones, then whether each restore
-        succeeded, so that a worker that cannot restore stops every worker,
-        not only itself (rather than leaving them waiting for it in a
-        collective).
-        """
         strategy, (task, _) = self.model.distribute_strategy, self._worker
-        try:
-            candidates = self._candidates()
-            latest, error = _backup_number(candidates[0] if candidates else None), None
-            previous = _backup_number(candidates[1] if len(candidates) > 1 else None)
-        except (OSError, ValueError) as read_error:
-            candidates, latest, previous, error = [], _UNREADABLE, _UNREADABLE, read_error
-        latests = _gather_from_workers(strategy, task, latest)
-        previouses = _gather_from_workers(strategy, task, previous)
-        if error is not None:
-            raise error
-        unreadable = sorted(name for name, n in latests.items() if n == _UNREADABLE)
-        if unreadable:
-            raise self._other_workers_failed(unreadable, "read its backup metadata")
-        held = {
-            name: _held_backups(latests[name], previouses.get(name, -1))
-            for name in latests
-        }
-        common = set.intersection(*held.values())
-        if not common:
-            listed = ", ".join(
-                f"{name} holds "
-                + (" and ".join(f"backup {n}" for n in sorted(numbers, reverse=True) if n >= 0)
-                   if max(numbers) >= 0 else "none")
-                for name, numbers in sorted(held.items())
-            )
-            raise ValueError(
-                f"The workers' backups under {self.backup_dir!r} have no backup "
-                f"in common, so they are not from the same run: {listed}. "
-                "Give every worker the `backup_dir` it had when the backups "
-                "were written, or delete every worker's backup folder to start "
-                "over."
-            )
-        target = max(common)
-        # In this worker's own `held`, so a candidate (or none, for -1).
-        chosen = next((c for c in candidates if _backup_number(c) == target), None)
-        if chosen is not None:
-            try:
-                self._restore(chosen)
-            except (OSError, ValueError) as restore_error:
-                error = restore_error
-        succeeded = _gather_from_workers(strategy, task, error is None)
-        if error is not None:
-            raise error
-        failed = sorted(name for name, ok in succeeded.items() if not ok)
-        if failed:
-            raise self._other_workers_failed(failed, f"restore backup {target}")
-        if target < latest:
-            self._commit_restored(chosen)
-
-    def _other_workers_failed(self, names, what):
-        return ValueError(
-            f"{', '.join(names)} could not {what} under {self.backup_dir!r} "
-            "(its own error, in its log, says why). Every worker stops: "
-            "workers resumed from different states would train a different "
-            "model."
+        _backup_choice.restore_agreed(
+            folder.candidates,
+            self._restore,
+            folder.commit_restored,
+            lambda value: _gather_from_workers(strategy, task, value),
+            self.backup_dir,
         )
-
-    def _open_backup(self, name):
-        """A read-only descriptor of backup `name`: a regular file in this
-        process's folder, opened without following a link."""
-        path = os.path.join(self._folder, name)
-        refusal = (
-            f"The backup metadata {self._kmp_training_metadata_path!r} names "
-            f"weights={name!r}, but {path!r} is {{}}; kmp reads only the regular "
-            f"files it wrote in {self._folder!r}. Nothing was restored. Delete "
-            "the backup directory to start over."
-        )
-        try:
-            fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
-        except OSError as error:
-            if os.path.islink(path):
-                raise _UnsafeBackupError(refusal.format("a symbolic link")) from None
-            raise ValueError(
-                f"The backup file {path!r} named by "
-                f"{self._kmp_training_metadata_path!r} cannot be read: {error}"
-            ) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise _UnsafeBackupError(refusal.format("not a regular file"))
-        return fd, path
 
     def _restore(self, candidate):
         """Checks a backup's file and checksum, then loads it strictly."""
-        fd, weights_path = self._open_backup(candidate.get("weights", "latest.weights.h5"))
-        try:
-            checked = os.fstat(fd)
-            expected = candidate.get("sha256")
-            if expected is None:
-                warnings.warn(
-                    f"The backup {weights_path!r} has no checksum in "
-                    f"{self._kmp_training_metadata_path!r} (it was written by Keras "
-                    "or by an older kmp); it is restored without an integrity "
-                    "check.",
-                    stacklevel=3,
-                )
-            elif _sha256_of_fd(fd) != expected:
-                # The digest of what was read is not printed: the file at
-                # this name may not be one kmp wrote.
-                raise ValueError(
-                    f"The backup file {weights_path!r} is damaged: its SHA-256 "
-                    f"checksum differs from the one "
-                    f"{self._kmp_training_metadata_path!r} recorded ({expected}) when "
-                    "the file was written. Resuming from it would continue "
-                    "from weights that were never trained. Put back an intact "
-                    f"copy of the file, or delete {self.backup_dir!r} to start "
-                    "over."
-                )
-        finally:
-            os.close(fd)
-        if self.model.optimizer is not None and not self.model.optimizer.built:
-            self.model.optimizer.build(self.model.trainable_variables)
-        # Keras opens the file again by its name: it must still be the file
-        # just checked.
-        if not _same_file(checked, os.lstat(weights_path)):
-            raise _UnsafeBackupError(
-                f"The backup file {weights_path!r} was replaced while it was "
-                "being checked; nothing was restored."
-            )
-        try:
-            _load_weights_strictly(self.model, weights_path)
-        except OSError as error:
-            raise ValueError(
-                f"The backup file {weights_path!r} cannot be loaded: {error}"
-            ) from None
+        _backup_restore.load_backup(self.model, self._folder, candidate, self.backup_dir)
         _keras_internals.set_initial_epoch(self.model, candidate["epoch"])
         # Backups written from here on are numbered from the restored epoch.
         self._kmp_current_epoch = candidate["epoch"]
         self._pending_monitor_states = candidate.get("monitors")
-
-    def _commit_restored(self, entry):
-        """Makes the backup just restored the latest one (`None`: none).
-
-        The next backup is numbered after the latest the metadata names, so
-        after this every worker numbers its backups alike again; the newer
-        backup file, no longer named, goes at the next save.
-        """
-        if entry is None:
-            os.remove(self._kmp_training_metadata_path)
-            return
-        entry = dict(entry)
-        entry.pop("previous", None)
-        self._write_metadata(entry)
 
     def on_train_begin(self, logs=None):
         # Each fit starts from what the folder holds, never from what an
@@ -1101,7 +362,7 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             self._kmp_load_backup()
         except BaseException:
             # `fit` ends here: the folder is not in use any more.
-            self._release_lock()
+            self._folder.release(owner=self)
             raise
 
     def on_epoch_end(self, epoch, logs=None):
@@ -1114,12 +375,16 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         entry = self._write_backup()
         # What was written, to bring the backup up to date at the next
         # epoch's start if a callback after this one changes the state.
-        self._epoch_backup = (entry, self._variables_digest())
+        self._epoch_backup = (entry, _backup_records.variables_digest(self.model))
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._epoch_backup is not None:
             self._update_epoch_backup()
-        self._restore_monitors()
+        # Not in on_train_begin: each monitor resets its own state there,
+        # after this callback has run.
+        states, self._pending_monitor_states = self._pending_monitor_states, None
+        if states is not None:
+            _backup_records.restore_monitor_states(self.monitors, states, self.backup_dir)
 
     def on_train_end(self, logs=None):
         try:
@@ -1127,27 +392,11 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
                 self._update_epoch_backup()
             self._epoch_backup = None
             if self.delete_checkpoint:
-                self._delete_own_files()
+                self._folder.delete_own_files()
         finally:
-            self._release_lock()
+            self._folder.release(owner=self)
         if self.delete_checkpoint:
-            self._remove_empty_folders()
-
-    def _variables_digest(self):
-        """SHA-256 of the values of every variable a backup holds (the
-        model's and the optimizer's; not the metrics', which `fit` resets
-        at each epoch's start), with their paths, dtypes and shapes."""
-        metrics = {id(v) for v in self.model.metrics_variables}
-        variables = [v for v in self.model.variables if id(v) not in metrics]
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
-            variables += list(optimizer.variables)
-        digest = hashlib.sha256()
-        for variable in variables:
-            value = np.ascontiguousarray(keras.ops.convert_to_numpy(variable))
-            digest.update(f"{variable.path}:{value.dtype}:{value.shape};".encode())
-            digest.update(value.reshape(-1).view(np.uint8))
-        return digest.hexdigest()
+            self._folder.remove_empty_folders()
 
     def _update_epoch_backup(self):
         """Rewrites the backup written at the last epoch's end if a callback
@@ -1157,178 +406,29 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         same epoch that replaces that one; with unchanged variables its
         weights file is a hard link to the one written (no second save)."""
         (entry, digest), self._epoch_backup = self._epoch_backup, None
-        monitors = [_monitor_state(monitor) for monitor in self.monitors]
-        same_variables = self._variables_digest() == digest
+        monitors = [_backup_records.monitor_state(monitor) for monitor in self.monitors]
+        same_variables = _backup_records.variables_digest(self.model) == digest
         # json: NaN equals NaN there, as the counters were written.
         if same_variables and json.dumps(monitors) == json.dumps(entry["monitors"]):
             return
         self._write_backup(replacing=entry, same_weights=same_variables)
-
-    def _delete_own_files(self):
-        """Deletes what kmp wrote in this process's folder, by kmp's names:
-        the metadata first (so a kill part-way leaves no metadata naming a
-        deleted file), then the backups and partial files. Anything else
-        (the user's files, another worker's folder) is never touched."""
-        if not os.path.isdir(self._folder):
-            return
-        names = sorted(os.listdir(self._folder), key=lambda name: name != _METADATA_NAME)
-        for name in names:
-            if not (
-                name == _METADATA_NAME
-                or _BACKUP_PATTERN.match(name)
-                or _BACKUP_PARTIAL_PATTERN.match(name)
-            ):
-                continue
-            path = os.path.join(self._folder, name)
-            try:
-                if not stat.S_ISDIR(os.lstat(path).st_mode):
-                    os.remove(path)  # A link goes, never what it points to.
-            except FileNotFoundError:
-                pass
-
-    def _remove_empty_folders(self):
-        """Removes this process's folder, then `backup_dir` (a worker's
-        folder is inside it), each only if empty and never the working
-        directory; the last worker to finish removes `backup_dir`."""
-        folders = [self._folder]
-        if self._folder != self.backup_dir:
-            folders.append(self.backup_dir)
-        for folder in folders:
-            try:
-                if os.path.samefile(folder, os.getcwd()):
-                    continue
-                os.rmdir(folder)
-            except OSError:
-                pass  # Not empty (other files, another worker's), or gone.
-
-    def _restore_monitors(self):
-        # Not in on_train_begin: each monitor resets its own state there,
-        # after this callback has run.
-        states, self._pending_monitor_states = self._pending_monitor_states, None
-        if states is None:
-            return
-        if len(states) != len(self.monitors):
-            raise ValueError(
-                f"The backup in {self.backup_dir!r} holds the state of "
-                f"{len(states)} monitors, but `monitors` has "
-                f"{len(self.monitors)}. Pass the same callbacks as the run "
-                "that wrote it."
-            )
-        for monitor, state in zip(self.monitors, states):
-            # `_check_metadata` admitted only the counters of
-            # `_MONITOR_ATTRIBUTES`, as numbers; each goes only to a monitor
-            # that has it, as the monitor kmp read it from had.
-            unknown = sorted(name for name in state if not hasattr(monitor, name))
-            if unknown:
-                raise ValueError(
-                    f"The backup in {self.backup_dir!r} holds {', '.join(unknown)} "
-                    f"for the monitor {type(monitor).__name__}, which has no such "
-                    "counter. Pass the same callbacks, in the same order, as the "
-                    "run that wrote it."
-                )
-        for monitor, state in zip(self.monitors, states):
-            for name in _MONITOR_ATTRIBUTES:
-                if name in state:
-                    setattr(monitor, name, state[name])
 
     def _kmp_save_backup(self):
         self._write_backup()
 
     def _write_backup(self, replacing=None, same_weights=False):
         """Writes a backup of the current state and commits it; returns its
-        metadata entry.
-
-        `replacing`: the entry of the latest backup, written at this
-        epoch's end, that this one replaces (it then keeps that entry's
-        `previous`: the previous epoch's backup, as Keras'
-        `double_checkpoint` keeps). `same_weights`: the variables have not
-        changed since `replacing` was written, so its weights file is hard
-        linked under the new name rather than saved again (saved, if the
-        file system has no hard links).
-        """
-        os.makedirs(self._folder, exist_ok=True)
-        latest = self._read_metadata()
-        # Numbered from the metadata, not from the folder listing: a file a
-        # killed save completed but never committed is not counted, so every
-        # worker numbers its backups alike.
-        weights_name = f"backup-{_backup_number(latest) + 1:06d}.weights.h5"
-        weights_path = os.path.join(self._folder, weights_name)
-        replaces_latest = (
-            replacing is not None
-            and latest is not None
-            and latest.get("weights") == replacing["weights"]
-        )
-        checksum = {}
-        if replaces_latest and same_weights and self._link_backup(
-            replacing["weights"], weights_path
-        ):
-            checksum["sha256"] = replacing["sha256"]
-        else:
-
-            def write_weights(path):
-                self.model.save_weights(path, overwrite=True)
-                checksum["sha256"] = _sha256(path)
-
-            _write_atomically(weights_path, write_path=write_weights)
-        metadata = {
+        metadata entry (see `BackupFolder.write_backup`)."""
+        record = {
             "epoch": self._kmp_current_epoch,
             "batch": self._kmp_last_batch_seen,
-            "weights": weights_name,
-            "sha256": checksum["sha256"],
-            "monitors": [_monitor_state(monitor) for monitor in self.monitors],
+            "monitors": [_backup_records.monitor_state(monitor) for monitor in self.monitors],
         }
-        # The backup kept as `previous`: the latest one, or, when this one
-        # replaces the latest (same epoch), the one before it.
-        before = latest.get("previous") if replaces_latest else latest
         # Several workers need the previous backup to agree on one at restore.
         keep_previous = self.double_checkpoint or self._worker is not None
-        if keep_previous and before and "weights" in before:
-            before = dict(before)
-            before.pop("previous", None)
-            metadata["previous"] = before
-        self._write_metadata(metadata)
-        keep = {weights_name}
-        if "previous" in metadata:
-            keep.add(metadata["previous"]["weights"])
-        for name in os.listdir(self._folder):
-            # Backups no longer named, and partial files left by a process
-            # killed while saving: only this process writes in this folder.
-            if (_BACKUP_PATTERN.match(name) and name not in keep) or (
-                _BACKUP_PARTIAL_PATTERN.match(name)
-            ):
-                path = os.path.join(self._folder, name)
-                if not stat.S_ISDIR(os.lstat(path).st_mode):
-                    os.remove(path)
-        return metadata
-
-    def _link_backup(self, source_name, target):
-        """Hard links backup `source_name` at `target`, atomically (a link
-        under a temporary name, then `os.replace`); `False` where the file
-        system has no hard links."""
-        source = os.path.join(self._folder, source_name)
-        stem, suffix = _split_suffix(target)
-        directory, name = os.path.split(stem)
-        for _ in range(100):
-            partial = os.path.join(
-                directory,
-                f".{name}{_PARTIAL_MARK}-{os.getpid()}-{secrets.token_hex(8)}{suffix}",
-            )
-            try:
-                os.link(source, partial, follow_symlinks=False)
-                break
-            except FileExistsError:
-                continue
-            except (OSError, NotImplementedError):
-                return False
-        else:
-            return False
-        try:
-            os.replace(partial, target)
-        except BaseException:
-            os.remove(partial)
-            raise
-        _fsync_path(directory or ".", directory=True)
-        return True
+        return self._folder.write_backup(
+            self.model, record, keep_previous, replacing=replacing, same_weights=same_weights
+        )
 
 
 class ModelCheckpoint(_keras_internals.ModelCheckpointBase):

@@ -26,6 +26,7 @@ import pytest
 
 import kmp
 from _helpers import child_env
+from kmp import _atomic_files
 from kmp import checkpoint as checkpoint_module
 
 STEPS_PER_EPOCH = 3
@@ -193,7 +194,7 @@ def test_links_planted_at_temporary_names_are_never_written_through(tmp_path, mo
 
     # kmp's draws only (Keras draws tokens of its own while saving).
     monkeypatch.setattr(
-        checkpoint_module, "secrets", types.SimpleNamespace(token_hex=token_hex), raising=False
+        _atomic_files, "secrets", types.SimpleNamespace(token_hex=token_hex), raising=False
     )
     checkpoint = kmp.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"))
     model, _ = _fit(backup_dir, 3, delete_checkpoint=False, callbacks=[checkpoint])

@@ -1,0 +1,138 @@
+"""Files that are complete or absent: written under a temporary name, flushed
+to disk, then moved onto their final name with `os.replace`.
+
+`os.replace` is atomic on POSIX and Windows, so a file with a final name is
+always complete, and a process killed while writing leaves at most a
+`.<stem>.partial-<pid>-<token><suffix>` file beside it. The temporary name
+is new for every write (the pid and a random token) and the file is created
+with `O_CREAT | O_EXCL | O_NOFOLLOW`: whatever already sits at a name (a file,
+a link planted by someone who can write to the folder) makes the creation
+fail and another name is drawn; nothing is ever followed, truncated or
+written through.
+
+`kmp.checkpoint.write_atomically` is the public entry point; the backup
+folders of `kmp.callbacks.BackupAndRestore` use these directly.
+"""
+
+import errno
+import os
+import secrets
+
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+PARTIAL_MARK = ".partial"
+
+
+def split_suffix(filepath):
+    """`("dir/name", ".weights.h5")` for Keras' two-part suffix, else splitext."""
+    for suffix in (".weights.h5", ".weights.json"):
+        if filepath.endswith(suffix):
+            return filepath[: -len(suffix)], suffix
+    return os.path.splitext(filepath)
+
+
+def same_file(a, b):
+    """Whether two `os.stat` results are of one file."""
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def fsync_path(path, directory=False):
+    """Flushes `path` (a file, or a folder's entries) to disk, where the OS
+    lets a process open it; a no-op otherwise."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(path, flags | NO_FOLLOW)
+    except OSError:
+        return  # Directories cannot be opened on Windows; replace is still atomic.
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _partial_name(filepath):
+    """A fresh temporary name beside `filepath`, with its suffix."""
+    stem, suffix = split_suffix(filepath)
+    directory, name = os.path.split(stem)
+    return os.path.join(
+        directory,
+        f".{name}{PARTIAL_MARK}-{os.getpid()}-{secrets.token_hex(8)}{suffix}",
+    )
+
+
+def create_partial(filepath):
+    """Creates a new, empty temporary file beside `filepath`; returns `(fd, path)`.
+
+    The name carries the pid and a random token, and the file is created
+    with `O_CREAT | O_EXCL | O_NOFOLLOW`: whatever already sits at a name
+    makes the creation fail and another name is drawn. The mode is `0o666`
+    less the umask, as for `open(path, "w")`.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_FOLLOW | CLOEXEC
+    for _ in range(100):
+        partial = _partial_name(filepath)
+        try:
+            return os.open(partial, flags, 0o666), partial
+        except FileExistsError:
+            continue
+    raise FileExistsError(
+        errno.EEXIST, "No free temporary name after 100 random draws", partial
+    )
+
+
+def write_then_replace(filepath, write_fd=None, write_path=None):
+    """Writes a new file and moves it onto `filepath`; returns `filepath`.
+
+    The file is written through its descriptor (`write_fd(fd)`) or, for
+    writers that want a path (Keras' savers), through the path of the file
+    just created (`write_path(path)`), flushed, then `os.replace`d onto
+    `filepath`. If anything raises, the temporary file is removed and
+    `filepath` is left as it was.
+    """
+    fd, partial = create_partial(filepath)
+    try:
+        if write_fd is not None:
+            write_fd(fd)
+            os.fsync(fd)
+            os.close(fd)
+            fd = None
+        else:
+            os.close(fd)
+            fd = None
+            write_path(partial)
+            fsync_path(partial)
+        os.replace(partial, filepath)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        if os.path.lexists(partial):
+            os.remove(partial)
+        raise
+    fsync_path(os.path.dirname(filepath) or ".", directory=True)
+    return filepath
+
+
+def link_then_replace(source, target):
+    """Hard links `source` at `target`, atomically (a link under a temporary
+    name, then `os.replace`); `False` where the file system has no hard
+    links, `True` once linked."""
+    for _ in range(100):
+        partial = _partial_name(target)
+        try:
+            os.link(source, partial, follow_symlinks=False)
+            break
+        except FileExistsError:
+            continue
+        except (OSError, NotImplementedError):
+            return False
+    else:
+        return False
+    try:
+        os.replace(partial, target)
+    except BaseException:
+        os.remove(partial)
+        raise
+    fsync_path(os.path.dirname(target) or ".", directory=True)
+    return True

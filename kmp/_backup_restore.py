@@ -1,0 +1,184 @@
+"""Restoring one backup of `kmp.callbacks.BackupAndRestore`: its file opened
+without following a link, its SHA-256 checked against the metadata's, then
+its weights loaded strictly (a variable Keras would skip is an error).
+"""
+
+import os
+import stat
+import tempfile
+import warnings
+
+from kmp import _atomic_files
+from kmp import _backup_records
+
+
+class UnsafeBackupError(ValueError):
+    """A backup path that is not a regular file kmp wrote (a link, a
+    folder): refused outright, never a reason to fall back to another."""
+
+
+def _open_backup(folder, name, metadata_path):
+    """A read-only descriptor of backup `name`: a regular file in `folder`,
+    opened without following a link."""
+    path = os.path.join(folder, name)
+    refusal = (
+        f"The backup metadata {metadata_path!r} names "
+        f"weights={name!r}, but {path!r} is {{}}; kmp reads only the regular "
+        f"files it wrote in {folder!r}. Nothing was restored. Delete "
+        "the backup directory to start over."
+    )
+    try:
+        fd = os.open(path, os.O_RDONLY | _atomic_files.NO_FOLLOW | _atomic_files.CLOEXEC)
+    except OSError as error:
+        if os.path.islink(path):
+            raise UnsafeBackupError(refusal.format("a symbolic link")) from None
+        raise ValueError(
+            f"The backup file {path!r} named by "
+            f"{metadata_path!r} cannot be read: {error}"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeBackupError(refusal.format("not a regular file"))
+    return fd, path
+
+
+def load_backup(model, folder, candidate, backup_dir):
+    """Checks the file and checksum of the backup a metadata entry names,
+    then loads it into `model` strictly.
+
+    Args:
+        model: The `keras.Model` to load into (its optimizer is built first).
+        folder: `_backup_folder.BackupFolder`, where the backup lies.
+        candidate: Dict. The checked metadata entry of the backup.
+        backup_dir: String. The callback's `backup_dir`, for the messages.
+
+    Raises:
+        UnsafeBackupError: if the file is a link, not a regular file, or
+            replaced while it was checked.
+        ValueError: if the file cannot be read, its SHA-256 differs from the
+            entry's, or it does not match the model.
+    """
+    metadata_path = folder.metadata_path
+    fd, weights_path = _open_backup(
+        folder.path, candidate.get("weights", "latest.weights.h5"), metadata_path
+    )
+    try:
+        checked = os.fstat(fd)
+        expected = candidate.get("sha256")
+        if expected is None:
+            warnings.warn(
+                f"The backup {weights_path!r} has no checksum in "
+                f"{metadata_path!r} (it was written by Keras "
+                "or by an older kmp); it is restored without an integrity "
+                "check.",
+                # BackupAndRestore's `_kmp_load_backup`, past the choice of
+                # backup and the callback's `_restore`.
+                stacklevel=4,
+            )
+        elif _backup_records.sha256_of_fd(fd) != expected:
+            # The digest of what was read is not printed: the file at
+            # this name may not be one kmp wrote.
+            raise ValueError(
+                f"The backup file {weights_path!r} is damaged: its SHA-256 "
+                f"checksum differs from the one "
+                f"{metadata_path!r} recorded ({expected}) when "
+                "the file was written. Resuming from it would continue "
+                "from weights that were never trained. Put back an intact "
+                f"copy of the file, or delete {backup_dir!r} to start "
+                "over."
+            )
+    finally:
+        os.close(fd)
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    # Keras opens the file again by its name: it must still be the file
+    # just checked.
+    if not _atomic_files.same_file(checked, os.lstat(weights_path)):
+        raise UnsafeBackupError(
+            f"The backup file {weights_path!r} was replaced while it was "
+            "being checked; nothing was restored."
+        )
+    try:
+        load_weights_strictly(model, weights_path)
+    except OSError as error:
+        raise ValueError(
+            f"The backup file {weights_path!r} cannot be loaded: {error}"
+        ) from None
+
+
+def _h5_variables(path):
+    """`{dataset path: shape}` of a Keras weights file."""
+    import h5py
+
+    variables = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(
+            lambda name, item: variables.__setitem__(name, tuple(item.shape))
+            if isinstance(item, h5py.Dataset)
+            else None
+        )
+    return variables
+
+
+def _mismatched_variables(model, filepath):
+    """What differs between the variables stored in `filepath` and those
+    `model` would store, in the file's own layout (`layers/dense_1/vars/0`,
+    `optimizer/vars/3`); `""` if nothing differs or a file cannot be read."""
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            own = os.path.join(directory, "model.weights.h5")
+            model.save_weights(own)
+            expected = _h5_variables(own)
+        stored = _h5_variables(filepath)
+    except (OSError, ValueError):
+        return ""
+    parts = []
+
+    def listed(names, describe):
+        shown = ", ".join(describe(name) for name in names[:8])
+        return shown + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+    differ = sorted(n for n in stored.keys() & expected.keys() if stored[n] != expected[n])
+    if differ:
+        parts.append("shapes differ (backup vs model): " + listed(
+            differ, lambda n: f"{n} {stored[n]} vs {expected[n]}"))
+    only_stored = sorted(stored.keys() - expected.keys())
+    if only_stored:
+        parts.append("only in the backup: " + listed(only_stored, str))
+    only_expected = sorted(expected.keys() - stored.keys())
+    if only_expected:
+        parts.append("missing from the backup: " + listed(only_expected, str))
+    return "; ".join(parts)
+
+
+def load_weights_strictly(model, filepath):
+    """`model.load_weights`, with any variable Keras could not load (a
+    "skipping variable loading" warning in older Keras, an error in newer)
+    turned into one error naming the file and the variables that differ: a
+    file that lacks the optimizer state, or holds another architecture's,
+    must not resume training from a fresh optimizer."""
+    problem = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model.load_weights(filepath)
+        except ValueError as error:
+            problem = str(error).strip().split("\n")[0]
+    for warning in caught:
+        message = str(warning.message).strip()
+        if "Skipping variable loading" in message or "could not be loaded" in message:
+            problem = problem or message.split("\n")[0]
+            continue
+        warnings.warn_explicit(
+            warning.message, warning.category, warning.filename, warning.lineno
+        )
+    if problem is None:
+        return
+    mismatched = _mismatched_variables(model, filepath)
+    raise ValueError(
+        f"The backup {filepath!r} does not match the model: "
+        + (f"its variables are another model's ({mismatched}). " if mismatched else "")
+        + f"Keras says: {problem} Refusing to resume from a partial state. "
+        "Resume with the model the backup was written by, or delete the "
+        "backup directory to start over."
+    ) from None

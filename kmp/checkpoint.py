@@ -83,7 +83,7 @@ metadata and its checks `_backup_records.py`, the lock `_backup_lock.py`, the
 writes into one process's folder `_backup_folder.py`, the restore of one
 backup `_backup_restore.py`, the choice of which backup (one process, or
 agreed by the workers) `_backup_choice.py`, and which worker this process is
-and the workers' all-gather `kmp/backends/<backend>/checkpoint.py`.
+and the workers' all-gather `kmp/backends/<backend>/workers.py`.
 """
 
 import json
@@ -140,14 +140,14 @@ def write_atomically(filepath, write):
 def _this_worker(strategy):
     """`(task name, is chief)` in a cluster of several workers, else `None`
     (the running backend's `checkpoint.this_worker`)."""
-    return backends.get("checkpoint").this_worker(strategy)
+    return backends.get("workers").this_worker(strategy)
 
 
 def _gather_from_workers(strategy, task, value):
     """`{task name: value}` over the cluster's workers, `value` an int: an
     all-gather every worker makes at the same point (the running backend's
     `checkpoint.gather_from_workers`)."""
-    return backends.get("checkpoint").gather_from_workers(strategy, task, value)
+    return backends.get("workers").gather_from_workers(strategy, task, value)
 
 
 class BackupAndRestore(_keras_internals.BackupAndRestoreBase):

@@ -32,7 +32,7 @@ JAX_TESTS = (
     "test_ledger.py",
     "test_keras_io_jax.py",
     "test_without_tensorflow.py",
-    "test_checkpoint_backends.py",
+    "test_backends.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
 JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py")

@@ -52,8 +52,8 @@ def can_retry():
 
 def check_compile(model, overflow_retries):
     """Refuses a `tf.distribute` strategy and retries, which are TensorFlow's."""
-    if tf_strategy_in_use():
-        raise unsupported(
+    if _tf_strategy_in_use():
+        raise _unsupported(
             "A tf.distribute strategy",
             "On JAX, set keras.distribution.DataParallel (or another keras.distribution) "
             "before building the model instead.",
@@ -74,7 +74,7 @@ def strategy_scope(model):
 
 def train_function(model, own_step):
     """Keras' train function, whose logs lose the monitor's values."""
-    return without_monitor_logs(model, model.train_function)
+    return _without_monitor_logs(model, model.train_function)
 
 
 def test_function(model):
@@ -86,7 +86,7 @@ def build_from_iterator(model, iterator, strategy):
     return False
 
 
-def scaler_logs(model, optimizer_values):
+def _scaler_logs(model, optimizer_values):
     """`loss_scale` and `skipped_steps` read from a step's new optimizer values."""
     optimizer = model.optimizer
     if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer) or not optimizer.enabled:
@@ -138,11 +138,11 @@ def train_step(model, state, data, keras_train_step):
         # No step applied yet this epoch: the loss of the skipped one.
         logs["loss"] = ops.where(steps_counted > 0, logs["loss"], ops.cast(unscaled_loss, "float32"))
     if optimizer._monitored:
-        logs.update(monitor_logs(optimizer, optimizer_values, unscaled_loss))
+        logs.update(_monitor_logs(optimizer, optimizer_values, unscaled_loss))
     return logs, (trainable, non_trainable, optimizer_values, kept)
 
 
-def monitor_logs(optimizer, optimizer_values, loss):
+def _monitor_logs(optimizer, optimizer_values, loss):
     """kmp.callbacks.LossScaleMonitor's values of this step, read from its new
     optimizer values, as kmp.Model's TensorFlow step returns them.
 
@@ -190,7 +190,7 @@ def reporting_step(model, step, own):
                 for optimizer in scalers:  # nothing traced may outlive the trace
                     optimizer._kmp_record.forget_traced()
         if isinstance(logs, dict) and len(state) == 4:
-            logs = dict(logs, **scaler_logs(model, state[2]))
+            logs = dict(logs, **_scaler_logs(model, state[2]))
         return logs, state
 
     return train_step_with_scaler_logs
@@ -246,7 +246,7 @@ class _ScalerState(keras.StatelessScope):
         self._assigned = {}
 
 
-def without_monitor_logs(model, keras_train_function):
+def _without_monitor_logs(model, keras_train_function):
     """Keras' `train_function(state, iterator)`, whose logs lose the monitor's
     values (kept on the model, as kmp.Model's TensorFlow train function does)."""
     def train_function(state, iterator):
@@ -258,7 +258,7 @@ def without_monitor_logs(model, keras_train_function):
     return train_function
 
 
-def tf_strategy_in_use():
+def _tf_strategy_in_use():
     """Whether a `tf.distribute` strategy's scope is open (no use on JAX).
 
     Without TensorFlow imported, none can be: it is not imported here."""
@@ -266,7 +266,7 @@ def tf_strategy_in_use():
     return tf is not None and tf.distribute.has_strategy()
 
 
-def unsupported(feature, instead):
+def _unsupported(feature, instead):
     """The error for what kmp runs on TensorFlow only."""
     return NotImplementedError(
         f"{feature} needs the TensorFlow backend of Keras; this process runs "

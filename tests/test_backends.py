@@ -1,0 +1,80 @@
+"""kmp/backends/: one package per Keras backend, the same modules and
+functions in each, and a core that reaches them only through
+`kmp.backends.get` (so that `import kmp` on JAX imports no TensorFlow)."""
+
+import ast
+import inspect
+import pathlib
+import re
+
+import keras
+
+import kmp
+from kmp import backends
+
+_KMP = pathlib.Path(kmp.__file__).parent
+_BACKENDS = _KMP / "backends"
+
+
+def _public(backend, module):
+    """`{name: argument names}` of a backend module's public functions and
+    `{name}` of its constants, read without importing it (the other
+    backend's library may be missing)."""
+    tree = ast.parse((_BACKENDS / backend / f"{module}.py").read_text())
+    functions = {
+        node.name: [arg.arg for arg in node.args.args + node.args.kwonlyargs]
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    }
+    constants = {
+        target.id
+        for node in tree.body if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name) and target.id.isupper() and not target.id.startswith("_")
+    }
+    return functions, constants
+
+
+def _modules_the_core_asks_for():
+    """The names the core passes to `backends.get`, read from its source."""
+    names = set()
+    for path in list(_KMP.glob("*.py")):
+        names.update(re.findall(r'backends\.get\("(\w+)"\)', path.read_text()))
+    return names
+
+
+def test_each_module_the_core_asks_for_is_in_both_backends_with_the_same_names():
+    asked = _modules_the_core_asks_for()
+    assert {"step", "trainer", "gradients", "workers", "probe"} <= asked
+    for module in sorted(asked):
+        tensorflow, jax = _public("tensorflow", module), _public("jax", module)
+        # Keras' own JAX train step takes `state` before `data`: names, not arguments.
+        assert set(tensorflow[0]) == set(jax[0]), module
+        assert tensorflow[1] == jax[1], module
+        running = backends.get(module)
+        assert running.__name__ == f"kmp.backends.{keras.backend.backend()}.{module}"
+        for name, arguments in _public(keras.backend.backend(), module)[0].items():
+            assert list(inspect.signature(getattr(running, name)).parameters) == arguments
+
+
+def test_the_core_imports_no_backend_library_and_branches_on_no_backend():
+    for path in _KMP.glob("*.py"):
+        source = path.read_text()
+        assert not re.search(r"^\s*(import|from) (tensorflow|jax)\b", source, re.M), path.name
+        assert not re.search(r"backend\(\) *[!=]=", source), path.name
+        # A backend module is reached through `backends.get`, never imported.
+        assert not re.search(r"^\s*from kmp\.backends\.\w+ import|import kmp\.backends\.\w+",
+                             source, re.M), path.name
+
+
+def test_one_process_is_no_cluster_and_gathers_its_own_value():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    # What BackupAndRestore passes: no `distribute_strategy` on JAX, the
+    # default strategy on TensorFlow.
+    strategy = getattr(model, "distribute_strategy", None)
+    workers = backends.get("workers")
+    assert workers.this_worker(strategy) is None
+    gathered = workers.gather_from_workers(strategy, "worker-0", True)
+    assert gathered == {"worker-0": 1} and type(gathered["worker-0"]) is int
+    assert workers.gather_from_workers(strategy, "chief-0", 7) == {"chief-0": 7}

@@ -205,15 +205,21 @@ def _devices(doctor):
     flags = _hardware._cpu_flags()
     return {
         "gpus": gpus,
-        f"{doctor.KEY}_built_with_cuda": doctor.built_with_cuda(),
+        _key(doctor, "built_with_cuda"): doctor.built_with_cuda(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "cpu": {
             "model": _cpu_model(),
             "logical_cores": os.cpu_count(),
             "flags": {flag: flag in flags for flag in _CPU_FLAGS},
-            f"{doctor.KEY}_devices": doctor.cpu_devices(),
+            _key(doctor, "devices"): doctor.cpu_devices(),
         },
     }
+
+
+def _key(doctor, what):
+    """The report's key for what the backend says about `what`, named after
+    the backend (`"tensorflow_devices"`, `"jax_built_with_cuda"`)."""
+    return "_".join((doctor.KEY, what))
 
 
 def _cpu_model():
@@ -233,12 +239,12 @@ def _benchmark_device(doctor, requested, devices):
     if requested == "gpu":
         raise _DeviceError(
             f"--device gpu, but {doctor.NAME} sees no GPU ({doctor.NAME} built with "
-            f"CUDA: {'yes' if devices[f'{doctor.KEY}_built_with_cuda'] else 'no'}; "
+            f"CUDA: {'yes' if devices[_key(doctor, 'built_with_cuda')] else 'no'}; "
             f"CUDA_VISIBLE_DEVICES={devices['cuda_visible_devices']!r}). "
             f"Install a CUDA build (`{doctor.CUDA_INSTALL}`) and "
             "check `nvidia-smi`, or use --device cpu."
         )
-    if not devices["cpu"][f"{doctor.KEY}_devices"]:
+    if not devices["cpu"][_key(doctor, "devices")]:
         raise _DeviceError(f"{doctor.NAME} lists no CPU device.")
     return doctor.device(on_gpu=False)
 
@@ -322,7 +328,7 @@ def _format(report, doctor):
     else:
         lines.append(
             f"  GPU: none found ({doctor.NAME} built with CUDA: "
-            f"{'yes' if devices[f'{doctor.KEY}_built_with_cuda'] else 'no'})"
+            f"{'yes' if devices[_key(doctor, 'built_with_cuda')] else 'no'})"
         )
     cpu = devices["cpu"]
     lines.append(f"  CPU: {cpu['model'] or 'unknown'}, {cpu['logical_cores']} logical cores")

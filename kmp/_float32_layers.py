@@ -3,8 +3,8 @@
 kmp's lists of layers (those Keras keeps in float32 arithmetic, those kmp
 computes in float32 in training, those `kmp.export` serves in float32), the
 plan that says which layers of a model become float32 islands and why
-(`_float32_plan`), the dtype policy such a layer gets (`_Float32Policy`), and
-the casts around them. The policy a model settles is applied by
+(`_plan`; `kmp.policy._float32_plan` adds the global rules), the dtype
+policy such a layer gets (`_Float32Policy`), and the casts around them. The policy a model settles is applied by
 `kmp/_precision.py`; the rules a user adds come from `kmp/_keep_float32.py`.
 """
 
@@ -58,6 +58,7 @@ _KERAS_FLOAT32_MATH_CLASSES = _keras_layers(
     "GroupNormalization",
     "RMSNormalization",
 )
+
 
 def _builtin_rules():
     return _Float32Rules(classes=KEEP_FLOAT32_CLASSES)
@@ -159,7 +160,7 @@ def _probability_output(layer, model):
     return any(id(output) in produced for output in keras.tree.flatten(model.outputs))
 
 
-def _float32_plan(model, rules):
+def _plan(model, rules):
     """Which layers of `model` compute in float32, and why.
 
     A layer matched by `rules` and computing in 16 bits becomes an island:

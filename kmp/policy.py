@@ -21,7 +21,7 @@ import keras
 
 from kmp import _hardware
 from kmp._float32_layers import _builtin_rules
-from kmp._float32_layers import _float32_plan as _plan_float32_layers
+from kmp._float32_layers import _plan as _plan_float32_layers
 from kmp._keep_float32 import _Float32Rules
 
 # Re-exported: other kmp modules read these as `kmp.policy.<name>`, as they did

@@ -1,8 +1,8 @@
-"""How `kmp doctor` starts without a working TensorFlow (standard library only).
+"""How `kmp doctor` starts without a working backend (standard library only).
 
 `python -m kmp doctor` and the `kmp` console script both import the `kmp`
-package, which imports Keras and TensorFlow, before any command runs. When
-TensorFlow is missing or broken that import fails; for the command line
+package, which imports Keras and its backend (TensorFlow or JAX), before any
+command runs. When the backend is missing or broken that import fails; for the command line
 (and only for it) the failure is kept in `import_error` so that `kmp doctor`
 can report it with its own exit code instead of a traceback.
 """

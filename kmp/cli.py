@@ -1,14 +1,16 @@
 """The `kmp` command line: `kmp doctor` (also `python -m kmp doctor`).
 
 Imports nothing heavy at module level: `kmp doctor` has to run, and say so,
-when TensorFlow is missing or broken (see kmp/_command.py).
+when the backend (TensorFlow or JAX) is missing or broken (see
+kmp/_command.py). What it asks the backend (its version, its devices, the
+timed ops) comes from `kmp/backends/<backend>/doctor.py`.
 
 Exit codes:
 
 ```
 0  everything found and measured
 2  usage error (unknown command or option, bad --seconds)
-3  TensorFlow (or Keras on the TensorFlow backend) is missing or broken
+3  the backend (TensorFlow or JAX), or Keras on it, is missing or broken
 4  no usable device: --device gpu without a GPU, or the benchmark cannot run
 ```
 """
@@ -23,12 +25,28 @@ import time
 
 EXIT_OK = 0
 EXIT_USAGE = 2
-EXIT_NO_TENSORFLOW = 3
+EXIT_NO_BACKEND = 3
+EXIT_NO_TENSORFLOW = EXIT_NO_BACKEND  # Its name before kmp ran on JAX.
 EXIT_NO_DEVICE = 4
 
 # CPU flags that decide how fast 16-bit math can be on x86.
 _CPU_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "f16c", "avx512f")
 _DTYPES = ("float32", "float16", "bfloat16")
+
+# What `kmp doctor` says when `import kmp` failed, by Keras backend: the
+# backend's own module cannot be asked, since importing it may be what failed.
+_MISSING_BACKEND = {
+    "tensorflow": (
+        "TensorFlow is missing or broken: importing kmp failed with {error}. "
+        "kmp needs TensorFlow >= 2.19 and Keras 3 on its TensorFlow backend: "
+        "`pip install tensorflow` and KERAS_BACKEND=tensorflow (or unset)."
+    ),
+    "jax": (
+        "JAX is missing or broken: importing kmp failed with {error}. kmp on "
+        "JAX needs JAX and Keras 3 on its JAX backend: `pip install jax` and "
+        "KERAS_BACKEND=jax."
+    ),
+}
 
 
 class _DeviceError(Exception):
@@ -43,8 +61,8 @@ def main(argv=None):
             to `None` (`sys.argv[1:]`).
 
     Returns:
-        The exit code: 0 ok, 2 usage error, 3 TensorFlow missing or broken,
-        4 no usable device.
+        The exit code: 0 ok, 2 usage error, 3 the backend (TensorFlow or
+        JAX) missing or broken, 4 no usable device.
 
     Example:
 
@@ -68,15 +86,16 @@ def main(argv=None):
 def _parser():
     parser = argparse.ArgumentParser(
         prog="kmp",
-        description="kmp: mixed precision for Keras 3 on TensorFlow.",
-        epilog="Exit codes: 0 ok, 2 usage error, 3 TensorFlow missing or "
-        "broken, 4 no usable device.",
+        description="kmp: mixed precision for Keras 3 on TensorFlow and JAX.",
+        epilog="Exit codes: 0 ok, 2 usage error, 3 the backend (TensorFlow "
+        "or JAX) missing or broken, 4 no usable device.",
     )
     commands = parser.add_subparsers(dest="command", metavar="command")
     doctor = commands.add_parser(
         "doctor",
         help="versions, devices, what policy 'auto' picks, and a 16-bit benchmark",
-        description="Prints kmp, Keras and TensorFlow versions, the devices "
+        description="Prints the versions of kmp, Keras and its backend "
+        "(TensorFlow or JAX), the devices "
         "found, the policy 'auto' resolves to and why, and a short benchmark "
         "of a matmul and a conv in float32, float16 and bfloat16.",
     )
@@ -110,41 +129,57 @@ def _doctor(args):
 
     if _command.import_error is not None:
         error = _command.import_error
+        backend = _requested_backend()
+        message = _MISSING_BACKEND.get(backend, _MISSING_BACKEND["tensorflow"])
         return _fail(
-            args, EXIT_NO_TENSORFLOW,
-            "TensorFlow is missing or broken: importing kmp failed with "
-            f"{type(error).__name__}: {error}. kmp needs TensorFlow >= 2.19 "
-            "and Keras 3 on its TensorFlow backend: `pip install tensorflow` "
-            "and KERAS_BACKEND=tensorflow (or unset).",
+            args, EXIT_NO_BACKEND,
+            message.format(error=f"{type(error).__name__}: {error}"),
         )
     import keras
-    import tensorflow as tf
 
     import kmp
+    from kmp import backends
     from kmp import policy as policy_module
 
+    doctor = backends.get("doctor")
     report = {
         "kmp": kmp.__version__,
         "keras": keras.__version__,
-        "tensorflow": tf.__version__,
+        "backend": doctor.KEY,
+        doctor.KEY: doctor.version(),
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
-        "devices": _devices(tf, policy_module),
+        "devices": _devices(doctor),
         "auto_policy": None,
         "benchmark": None,
     }
     auto = policy_module._resolve_auto()
     report["auto_policy"] = {"name": auto.name, "reason": auto.reason}
     try:
-        device = _benchmark_device(tf, args.device, report["devices"])
-        report["benchmark"] = _benchmark(tf, device, args.seconds, report["devices"])
+        device = _benchmark_device(doctor, args.device, report["devices"])
+        report["benchmark"] = _benchmark(doctor, device, args.seconds, report["devices"])
     except _DeviceError as error:
         return _fail(args, EXIT_NO_DEVICE, f"no usable device: {error}", report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(_format(report))
+        print(_format(report, doctor))
     return EXIT_OK
+
+
+def _requested_backend():
+    """The Keras backend this process asked for, read as Keras reads it
+    (`KERAS_BACKEND`, then `keras.json`) without importing Keras."""
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    keras_home = os.environ.get("KERAS_HOME") or os.path.join(
+        os.path.expanduser("~"), ".keras"
+    )
+    try:
+        with open(os.path.join(keras_home, "keras.json")) as config:
+            return json.load(config).get("backend", "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
 
 
 def _fail(args, code, message, report=None):
@@ -154,9 +189,11 @@ def _fail(args, code, message, report=None):
     return code
 
 
-def _devices(tf, policy_module):
+def _devices(doctor):
+    from kmp import _hardware
+
     gpus = []
-    for device, details in policy_module._gpus():
+    for device, details in _hardware._gpus():
         capability = details.get("compute_capability")
         gpus.append({
             "name": details.get("device_name", device),
@@ -165,18 +202,24 @@ def _devices(tf, policy_module):
                 f"{capability[0]}.{capability[1]}" if capability else None
             ),
         })
-    flags = policy_module._cpu_flags()
+    flags = _hardware._cpu_flags()
     return {
         "gpus": gpus,
-        "tensorflow_built_with_cuda": tf.test.is_built_with_cuda(),
+        _key(doctor, "built_with_cuda"): doctor.built_with_cuda(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "cpu": {
             "model": _cpu_model(),
             "logical_cores": os.cpu_count(),
             "flags": {flag: flag in flags for flag in _CPU_FLAGS},
-            "tensorflow_devices": len(tf.config.list_physical_devices("CPU")),
+            _key(doctor, "devices"): doctor.cpu_devices(),
         },
     }
+
+
+def _key(doctor, what):
+    """The report's key for what the backend says about `what`, named after
+    the backend (`"tensorflow_devices"`, `"jax_built_with_cuda"`)."""
+    return "_".join((doctor.KEY, what))
 
 
 def _cpu_model():
@@ -190,66 +233,41 @@ def _cpu_model():
     return platform.processor() or None
 
 
-def _benchmark_device(tf, requested, devices):
+def _benchmark_device(doctor, requested, devices):
     if requested in ("auto", "gpu") and devices["gpus"]:
-        return "/GPU:0"
+        return doctor.device(on_gpu=True)
     if requested == "gpu":
         raise _DeviceError(
-            "--device gpu, but TensorFlow sees no GPU (TensorFlow built with "
-            f"CUDA: {'yes' if devices['tensorflow_built_with_cuda'] else 'no'}; "
+            f"--device gpu, but {doctor.NAME} sees no GPU ({doctor.NAME} built with "
+            f"CUDA: {'yes' if devices[_key(doctor, 'built_with_cuda')] else 'no'}; "
             f"CUDA_VISIBLE_DEVICES={devices['cuda_visible_devices']!r}). "
-            "Install a CUDA build (`pip install tensorflow[and-cuda]`) and "
+            f"Install a CUDA build (`{doctor.CUDA_INSTALL}`) and "
             "check `nvidia-smi`, or use --device cpu."
         )
-    if not tf.config.list_physical_devices("CPU"):
-        raise _DeviceError("TensorFlow lists no CPU device.")
-    return "/CPU:0"
+    if not devices["cpu"][_key(doctor, "devices")]:
+        raise _DeviceError(f"{doctor.NAME} lists no CPU device.")
+    return doctor.device(on_gpu=False)
 
 
-def _cases(tf, on_gpu):
-    """(name, shape, build(dtype) -> zero-argument step) for each benchmark."""
-    n = 4096 if on_gpu else 512
-    batch, size, channels = (32, 56, 128) if on_gpu else (8, 32, 64)
-
-    def matmul(dtype):
-        a = tf.random.normal((n, n), dtype="float32")
-        a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
-        step = tf.function(lambda: tf.reduce_sum(tf.cast(tf.matmul(a, b)[:1, :1], "float32")))
-        return step, 2 * n**3
-
-    def conv(dtype):
-        x = tf.cast(tf.random.normal((batch, size, size, channels)), dtype)
-        w = tf.cast(tf.random.normal((3, 3, channels, channels)) * 0.05, dtype)
-        step = tf.function(lambda: tf.reduce_sum(
-            tf.cast(tf.nn.conv2d(x, w, 1, "SAME")[:1, :1, :1, :1], "float32")))
-        return step, 2 * batch * size * size * channels * channels * 9
-
-    return [
-        ("matmul", f"{n}x{n} @ {n}x{n}", matmul),
-        ("conv3x3", f"{batch}x{size}x{size}x{channels} -> {channels}", conv),
-    ]
-
-
-def _benchmark(tf, device, seconds, devices):
+def _benchmark(doctor, device, seconds, devices):
     """Median time of each op in each dtype, within `seconds` in all.
 
     Each op gets half the budget, and its three dtypes take turns, so a
     machine that is busy for a moment slows all three alike.
     """
-    from kmp import policy as policy_module
+    from kmp import _hardware
 
-    on_gpu = device.startswith("/GPU")
+    on_gpu = device == doctor.device(on_gpu=True)
     results = []
-    for op, shape, build in _cases(tf, on_gpu):
+    for op, shape, build in doctor.cases(device, on_gpu):
         entries, steps = {}, {}
         for dtype in _DTYPES:
             entries[dtype] = {"op": op, "shape": shape, "dtype": dtype,
                               "median_ms": None, "tflops": None, "runs": 0,
                               "speedup": None, "error": None}
             try:
-                with tf.device(device):
-                    step, flops = build(dtype)
-                    step()  # Traces the function and warms up kernels; not timed.
+                step, flops = build(dtype)
+                step()  # Traces or compiles the step and warms up kernels; not timed.
                 steps[dtype] = step
             except Exception as error:  # noqa: BLE001 - reported per entry
                 message = f"{type(error).__name__}: {str(error).splitlines()[0]}"
@@ -280,24 +298,24 @@ def _benchmark(tf, device, seconds, devices):
     if not on_gpu and not (flags["avx512_fp16"] or flags["amx_fp16"]):
         notes.append(
             "this CPU has no native float16 arithmetic (no avx512_fp16 or "
-            "amx_fp16): TensorFlow emulates float16, and its column shows "
+            f"amx_fp16): {doctor.NAME} emulates float16, and its column shows "
             "what that emulation gives here. Loss scaling is only needed "
             "for float16."
         )
-    if not on_gpu and not policy_module._runs_bfloat16([], policy_module._cpu_flags()):
+    if not on_gpu and not _hardware._runs_bfloat16([], _hardware._cpu_flags()):
         notes.append(
             "bfloat16 has no native instructions on this CPU (no "
-            f"{' or '.join(policy_module._BFLOAT16_CPU_FLAGS)})."
+            f"{' or '.join(_hardware._BFLOAT16_CPU_FLAGS)})."
         )
     return {"device": device, "seconds": seconds, "results": results, "notes": notes}
 
 
-def _format(report):
+def _format(report, doctor):
     devices = report["devices"]
     lines = [
         "kmp doctor",
-        f"  kmp {report['kmp']} | Keras {report['keras']} | TensorFlow "
-        f"{report['tensorflow']} | Python {report['python']} ({report['platform']})",
+        f"  kmp {report['kmp']} | Keras {report['keras']} | {doctor.NAME} "
+        f"{report[doctor.KEY]} | Python {report['python']} ({report['platform']})",
         "",
         "Devices",
     ]
@@ -309,8 +327,8 @@ def _format(report):
             )
     else:
         lines.append(
-            "  GPU: none found (TensorFlow built with CUDA: "
-            f"{'yes' if devices['tensorflow_built_with_cuda'] else 'no'})"
+            f"  GPU: none found ({doctor.NAME} built with CUDA: "
+            f"{'yes' if devices[_key(doctor, 'built_with_cuda')] else 'no'})"
         )
     cpu = devices["cpu"]
     lines.append(f"  CPU: {cpu['model'] or 'unknown'}, {cpu['logical_cores']} logical cores")

@@ -102,6 +102,60 @@ def test_missing_tensorflow_exits_3_with_a_message(broken_tensorflow, tmp_path):
     assert "ImportError: simulated" in result.stderr
 
 
+def test_doctor_runs_on_jax_and_reports_what_jax_sees():
+    jax = pytest.importorskip("jax", reason="kmp doctor on JAX needs JAX installed")
+    result = _run(
+        ["-m", "kmp", "doctor", "--json", "--seconds", "1", "--device", "cpu"],
+        env={"KERAS_BACKEND": "jax"},
+    )
+
+    assert result.returncode == cli.EXIT_OK, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["backend"], report["jax"]) == ("jax", jax.__version__)
+    assert "tensorflow" not in report
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    assert len(report["devices"]["gpus"]) == len(gpus)
+    assert report["devices"]["cpu"]["jax_devices"] == len(jax.devices("cpu"))
+    if not gpus:
+        # XLA's CPU backend converts bfloat16 to float32, whatever the CPU's flags.
+        assert report["auto_policy"]["name"] == "float32"
+        assert "XLA" in report["auto_policy"]["reason"]
+    benchmark = report["benchmark"]
+    assert benchmark["device"] == "cpu:0"
+    assert [(e["op"], e["dtype"]) for e in benchmark["results"]] == [
+        (op, dtype) for op in ("matmul", "conv3x3")
+        for dtype in ("float32", "float16", "bfloat16")
+    ]
+    for entry in benchmark["results"]:
+        assert entry["error"] is None, entry
+        assert entry["runs"] >= 1 and entry["median_ms"] > 0
+        # The flops are the op's, whatever the backend: 2 n^3 for the matmul.
+        assert entry["tflops"] == pytest.approx(
+            (2 * 512**3 if entry["op"] == "matmul" else 2 * 8 * 32 * 32 * 64 * 64 * 9)
+            / (entry["median_ms"] / 1e3) / 1e12
+        )
+
+
+@pytest.mark.parametrize("how", ["KERAS_BACKEND", "keras.json"])
+def test_missing_jax_exits_3_and_names_jax(how, tmp_path):
+    package = tmp_path / "fake" / "jax"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('raise ImportError("simulated: JAX is not installed")\n')
+    if how == "KERAS_BACKEND":
+        env = {"KERAS_BACKEND": "jax"}
+    else:  # Read as Keras reads it when KERAS_BACKEND is unset.
+        home = tmp_path / "keras_home"
+        home.mkdir()
+        (home / "keras.json").write_text(json.dumps({"backend": "jax"}))
+        env = {"KERAS_BACKEND": "", "KERAS_HOME": str(home)}
+    result = _run(["-m", "kmp", "doctor"], extra_path=[tmp_path / "fake"], env=env)
+
+    assert result.returncode == cli.EXIT_NO_BACKEND
+    assert "JAX is missing or broken" in result.stderr
+    assert "simulated: JAX is not installed" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_no_gpu_for_device_gpu_exits_4():
     # CUDA_VISIBLE_DEVICES="" hides every GPU, on any machine.
     result = _run(

@@ -22,6 +22,7 @@ from _helpers import ReferenceScaler
 from keras import ops
 
 import kmp
+from kmp import _hardware
 from kmp import policy as policy_module
 
 pytestmark = pytest.mark.skipif(
@@ -87,11 +88,11 @@ def test_auto_asks_jax_for_gpus_and_picks_float32_on_a_cpu():
 
 
 def test_auto_on_a_jax_gpu_follows_the_compute_capability(monkeypatch):
-    monkeypatch.setattr(policy_module, "_gpus", lambda: [
+    monkeypatch.setattr(_hardware, "_gpus", lambda: [
         ("gpu:0", {"device_name": "NVIDIA H100", "compute_capability": (9, 0)})
     ])
     assert kmp.set_policy("auto").name == "mixed_bfloat16"
-    monkeypatch.setattr(policy_module, "_gpus", lambda: [
+    monkeypatch.setattr(_hardware, "_gpus", lambda: [
         ("gpu:0", {"device_name": "Tesla V100", "compute_capability": (7, 0)})
     ])
     assert kmp.set_policy("auto").name == "mixed_float16"

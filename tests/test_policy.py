@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from _helpers import DtypeProbe
 import kmp
+from kmp import _hardware
 from kmp import policy as policy_module
 
 
@@ -109,8 +110,8 @@ def test_auto_rule(gpus, flags, expected, words):
 
 
 def test_set_policy_auto_uses_detected_hardware(monkeypatch, caplog):
-    monkeypatch.setattr(policy_module, "_gpu_compute_capabilities", lambda: [(7, 5)])
-    monkeypatch.setattr(policy_module, "_cpu_flags", lambda: set())
+    monkeypatch.setattr(_hardware, "_gpu_compute_capabilities", lambda: [(7, 5)])
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: set())
     with caplog.at_level("INFO", logger="kmp"):
         policy = kmp.set_policy("auto")
     assert policy.name == "mixed_float16"
@@ -119,8 +120,8 @@ def test_set_policy_auto_uses_detected_hardware(monkeypatch, caplog):
     assert "mixed_float16" in caplog.text
     assert kmp.get_policy().reason == policy.reason
 
-    monkeypatch.setattr(policy_module, "_gpu_compute_capabilities", lambda: [])
-    monkeypatch.setattr(policy_module, "_cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(_hardware, "_gpu_compute_capabilities", lambda: [])
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: {"avx2"})
     assert kmp.set_policy("auto").name == "float32"
 
 
@@ -158,8 +159,11 @@ def test_one_bfloat16_rule_for_auto_diagnose_and_doctor(monkeypatch, gpus, flags
     from kmp import _diagnose_probe
 
     assert policy_module._runs_bfloat16(gpus, flags) is native
-    monkeypatch.setattr(policy_module, "_gpu_compute_capabilities", lambda: gpus)
-    monkeypatch.setattr(policy_module, "_cpu_flags", lambda: flags)
+    # "auto" reads the hardware in kmp/_hardware.py; kmp.diagnose's probe
+    # reads it through the names kmp.policy re-exports.
+    for module in (_hardware, policy_module):
+        monkeypatch.setattr(module, "_gpu_compute_capabilities", lambda: gpus)
+        monkeypatch.setattr(module, "_cpu_flags", lambda: flags)
     assert _diagnose_probe.hardware_has_bfloat16() is native
     # On JAX without a GPU, auto picks float32 whatever the CPU (test_jax.py).
     native_here = native and (bool(gpus) or keras.backend.backend() == "tensorflow")
@@ -178,7 +182,7 @@ def test_resolve_policy_accepts_each_name_and_a_policy(name):
 
 
 def test_resolve_policy_resolves_auto_and_logs_it(monkeypatch, caplog):
-    monkeypatch.setattr(policy_module, "_gpu_compute_capabilities", lambda: [(8, 6)])
+    monkeypatch.setattr(_hardware, "_gpu_compute_capabilities", lambda: [(8, 6)])
     with caplog.at_level("INFO", logger="kmp"):
         policy = policy_module._resolve_policy("auto", "inference_policy", caller="kmp.export")
     assert policy.name == "mixed_bfloat16"

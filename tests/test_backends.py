@@ -58,7 +58,7 @@ def test_each_module_the_core_asks_for_is_in_both_backends_with_the_same_names()
 
 
 # The one module that holds the private names kmp uses (tests/test_boundary.py):
-# its three TensorFlow functions import TensorFlow when they are called, and
+# its four TensorFlow functions import TensorFlow when they are called, and
 # only kmp/backends/tensorflow/ calls them.
 _BOUNDARY = "_keras_internals.py"
 

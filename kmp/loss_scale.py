@@ -114,6 +114,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Example:
 
+    >>> import tensorflow as tf  # the step on Keras' TensorFlow backend
     >>> optimizer = kmp.LossScaleOptimizer("sgd", initial_scale=8.0,
     ...                                    growth_interval=2)
     >>> w = keras.Variable([1.0])

@@ -249,6 +249,25 @@ def _benchmark_device(doctor, requested, devices):
     return doctor.device(on_gpu=False)
 
 
+def _cases(doctor, device, on_gpu):
+    """The ops `kmp doctor` times on `device`, built by the backend's doctor.
+
+    Returns:
+        List of `(op, shape, build)`, `build(dtype)` returning `(step,
+        flops)`: `step()` runs the op once in `dtype` and returns a float32
+        scalar (converting it to a Python float waits for the device).
+    """
+    n = 4096 if on_gpu else 512
+    batch, size, channels = (32, 56, 128) if on_gpu else (8, 32, 64)
+    return [
+        ("matmul", f"{n}x{n} @ {n}x{n}",
+         lambda dtype: (doctor.matmul(device, n, dtype), 2 * n**3)),
+        ("conv3x3", f"{batch}x{size}x{size}x{channels} -> {channels}",
+         lambda dtype: (doctor.conv(device, batch, size, channels, dtype),
+                        2 * batch * size * size * channels * channels * 9)),
+    ]
+
+
 def _benchmark(doctor, device, seconds, devices):
     """Median time of each op in each dtype, within `seconds` in all.
 
@@ -259,7 +278,7 @@ def _benchmark(doctor, device, seconds, devices):
 
     on_gpu = device == doctor.device(on_gpu=True)
     results = []
-    for op, shape, build in doctor.cases(device, on_gpu):
+    for op, shape, build in _cases(doctor, device, on_gpu):
         entries, steps = {}, {}
         for dtype in _DTYPES:
             entries[dtype] = {"op": op, "shape": shape, "dtype": dtype,

@@ -46,49 +46,39 @@ def device(on_gpu):
     return "gpu:0" if on_gpu else "cpu:0"
 
 
-def cases(device, on_gpu):
-    """The ops `kmp doctor` times, placed on `device`.
+def matmul(device, n, dtype):
+    """`step()`: an `n`x`n` matmul in `dtype` on `device`, returning a float32
+    scalar (converting it to a Python float waits for the device)."""
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), "float32"), _target(device))
+    a, b = a.astype(dtype), a.T.astype(dtype)
+    return lambda: _product_sum(a, b)
 
-    Args:
-        device: String, as `device` returns it.
-        on_gpu: Bool. Whether `device` is a GPU: its ops are larger.
 
-    Returns:
-        List of `(op, shape, build)`, `build(dtype)` returning `(step,
-        flops)`: `step()` runs the op once in `dtype` and returns a float32
-        scalar (converting it to a Python float waits for the device).
-    """
+def conv(device, batch, size, channels, dtype):
+    """`step()`: a 3x3 same-padded convolution of a `batch`x`size`x`size`x
+    `channels` input to `channels`, in `dtype` on `device` (see `matmul`)."""
+    key_x, key_w = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(key_x, (batch, size, size, channels), "float32")
+    w = jax.random.normal(key_w, (3, 3, channels, channels), "float32") * 0.05
+    x, w = (jax.device_put(t, _target(device)).astype(dtype) for t in (x, w))
+    return lambda: _conv_sum(x, w)
+
+
+def _target(device):
     platform, index = device.split(":")
-    target = jax.devices(platform)[int(index)]
-    n = 4096 if on_gpu else 512
-    batch, size, channels = (32, 56, 128) if on_gpu else (8, 32, 64)
-    key_a, key_x, key_w = jax.random.split(jax.random.key(0), 3)
+    return jax.devices(platform)[int(index)]
 
-    # Each step sums its whole result in float32: a slice of it could let XLA
-    # compute only that slice.
-    @jax.jit
-    def product_sum(a, b):
-        return jnp.sum((a @ b).astype("float32"))
 
-    @jax.jit
-    def conv_sum(x, w):
-        y = jax.lax.conv_general_dilated(
-            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-        )
-        return jnp.sum(y.astype("float32"))
+# Each step sums its whole result in float32: a slice of it could let XLA
+# compute only that slice.
+@jax.jit
+def _product_sum(a, b):
+    return jnp.sum((a @ b).astype("float32"))
 
-    def matmul(dtype):
-        a = jax.device_put(jax.random.normal(key_a, (n, n), "float32"), target)
-        a, b = a.astype(dtype), a.T.astype(dtype)
-        return (lambda: product_sum(a, b)), 2 * n**3
 
-    def conv(dtype):
-        x = jax.random.normal(key_x, (batch, size, size, channels), "float32")
-        w = jax.random.normal(key_w, (3, 3, channels, channels), "float32") * 0.05
-        x, w = (jax.device_put(t, target).astype(dtype) for t in (x, w))
-        return (lambda: conv_sum(x, w)), 2 * batch * size * size * channels * channels * 9
-
-    return [
-        ("matmul", f"{n}x{n} @ {n}x{n}", matmul),
-        ("conv3x3", f"{batch}x{size}x{size}x{channels} -> {channels}", conv),
-    ]
+@jax.jit
+def _conv_sum(x, w):
+    y = jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return jnp.sum(y.astype("float32"))

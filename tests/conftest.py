@@ -157,9 +157,6 @@ SLOW = (
     "test_backup_safety.py::test_a_second_run_on_a_folder_in_use_is_refused_and_a_killed_one_resumes",
     "test_cli.py::test_no_gpu_for_device_gpu_exits_4",
     "test_scaler_core.py::test_importing_kmp_changes_no_tensorflow_or_keras_attribute",
-    # A child process that trains two models, saves, loads and exports with
-    # TensorFlow blocked; its sibling (import kmp and one fit) stays fast.
-    "test_jax_install.py::test_kmp_trains_saves_and_loads_on_jax_with_tensorflow_unimportable",
     # The identity test's stages run in one fresh process (a module fixture);
     # the checks of its snapshot itself stay fast.
     "test_foreign.py::test_the_snapshot_does_not_change_under_plain_keras",

@@ -2,15 +2,15 @@
 a layer that records the dtype it is handed and the dtypes of a SavedModel.
 
 Imported as `from _helpers import ...`: pytest puts `tests/` on `sys.path`
-because `tests/conftest.py` lives there and `tests/` is not a package.
+because `tests/conftest.py` lives there and `tests/` is not a package. The
+JAX pass imports it too, where TensorFlow may not be installed: TensorFlow is
+imported only inside the helpers that read TensorFlow's own objects.
 """
 
 import os
 
 import keras
 import numpy as np
-import tensorflow as tf
-from tensorflow.core.protobuf import saved_model_pb2
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,23 @@ EPSILON = {
 
 def float32_compute_dtype():
     """`"tensorfloat32"` where float32 matmuls run in TF32 (a GPU, TF32 on),
-    else `"float32"`: what float32 results of two engines differ by."""
+    else `"float32"`: what float32 results of two engines differ by.
+
+    On JAX, matmuls on an NVIDIA GPU take TF32 at JAX's default precision
+    (`jax_default_matmul_precision` unset); on TensorFlow, where TensorFlow
+    enables it (its default on a GPU).
+    """
+    if keras.backend.backend() == "jax":
+        import jax
+
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError:  # no GPU backend
+            gpus = []
+        precision = jax.config.jax_default_matmul_precision
+        if gpus and precision in (None, "default", "tensorfloat32"):
+            return "tensorfloat32"
+        return "float32"
     import tensorflow as tf
 
     if (
@@ -206,6 +222,9 @@ def free_ports(count):
 def graph_dtypes(saved_model_dir):
     """Every dtype named by a node attribute of the SavedModel's graph and
     function library (the ops TF Serving and TFLite would run)."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import saved_model_pb2
+
     saved_model = saved_model_pb2.SavedModel()
     with open(os.path.join(saved_model_dir, "saved_model.pb"), "rb") as f:
         saved_model.ParseFromString(f.read())

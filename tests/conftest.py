@@ -32,10 +32,11 @@ JAX_TESTS = (
     "test_ledger.py",
     "test_keras_io_jax.py",
     "test_without_tensorflow.py",
+    "test_jax_install.py",
     "test_backends.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
-JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py")
+JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py", "test_jax_install.py")
 # Keras' own tests ported to kmp (tests/peers/, see its __init__.py): the files
 # whose originals run on every backend run in both passes; the TensorFlow pass
 # runs all of them (tf-keras' files, test_tfkeras_*.py, use TensorFlow itself).
@@ -69,24 +70,45 @@ collect_ignore = (
 # holds by construction: set before TensorFlow is imported in this worker
 # (pytest-xdist starts each worker with this conftest), and inherited by every
 # child, whatever touches the GPU first; children that need no GPU are
-# started without it (`_helpers.child_env`, `CUDA_VISIBLE_DEVICES=""`).
+# started without it (`_helpers.child_env`, `CUDA_VISIBLE_DEVICES=""`). It
+# also holds in the JAX pass, where a test that exports a SavedModel or writes
+# TensorBoard events imports TensorFlow itself.
 os.environ["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
 
-import tensorflow as tf  # noqa: E402
 
-GPUS = tf.config.list_physical_devices("GPU")
-for _gpu in GPUS:
+def _tensorflow_gpus():
+    """The GPUs TensorFlow sees, after turning on memory growth and splitting
+    the CPU into two logical devices (TensorFlow pass only)."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError:  # initialized already: the environment variable holds
+            pass
+    # Two logical CPU devices let tf.distribute.MirroredStrategy run two
+    # replicas here; this must happen before TensorFlow initializes its devices.
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    return gpus
+
+
+def _jax_gpus():
+    """The GPUs JAX sees. The JAX pass imports no TensorFlow: it runs where
+    TensorFlow is not installed (`pip install -e ".[jax]"`, .ci/run)."""
+    import jax
+
     try:
-        tf.config.experimental.set_memory_growth(_gpu, True)
-    except RuntimeError:  # initialized already: the environment variable holds
-        pass
+        return jax.devices("gpu")
+    except RuntimeError:  # no GPU backend: "Unknown backend gpu"
+        return []
 
-# Two logical CPU devices let tf.distribute.MirroredStrategy run two replicas
-# here; this must happen before TensorFlow initializes its devices.
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+
+# What a `gpu`-marked test needs, as the running backend sees it.
+GPUS = _jax_gpus() if BACKEND == "jax" else _tensorflow_gpus()
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
@@ -223,7 +245,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     if GPUS:
         return
-    skip = pytest.mark.skip(reason="needs a GPU: tf.config.list_physical_devices('GPU') is empty")
+    seen_by = "jax.devices('gpu')" if BACKEND == "jax" else "tf.config.list_physical_devices('GPU')"
+    skip = pytest.mark.skip(reason=f"needs a GPU: {seen_by} is empty")
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
@@ -248,4 +271,6 @@ def mirrored_strategy():
     """One two-replica strategy for the whole session: a second
     MirroredStrategy in the same process can reuse collective instance keys
     with other shapes and fail with "Shape mismatch in the collective"."""
+    import tensorflow as tf
+
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

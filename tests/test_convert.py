@@ -278,7 +278,11 @@ def test_summary_prints_a_table_with_every_layer():
 
 
 def test_keras_hub_backbone_converts_and_the_original_still_runs():
-    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test extra")
+    keras_hub = pytest.importorskip(
+        "keras_hub",
+        reason="keras-hub is not installed: a test extra, which requires tensorflow-text and so "
+               "TensorFlow (the JAX pass without TensorFlow leaves it out; the TensorFlow pass runs this)",
+    )
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
         intermediate_dim=32, max_sequence_length=8,

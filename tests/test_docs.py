@@ -204,7 +204,7 @@ def test_readme_is_a_front_page():
     # (the TensorFlow pass, then the JAX pass), as .ci/run runs it.
     assert lines[2:6] == [
         "```bash",
-        'pip install -e ".[examples]" && python examples/quickstart.py',
+        'pip install -e ".[tensorflow,examples]" && python examples/quickstart.py',
         'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile'
         " && KERAS_BACKEND=jax python -m pytest -q -n 2 --dist loadfile",
         "```",

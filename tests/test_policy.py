@@ -1,7 +1,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from _helpers import DtypeProbe
 import kmp
@@ -339,6 +338,8 @@ def test_16_bit_softmax_sums_in_float32_so_kmp_leaves_it_alone(dtype, jit_compil
 
         call = jax.jit(softmax) if jit_compile else softmax
     else:
+        import tensorflow as tf
+
         call = tf.function(softmax, jit_compile=jit_compile)
     outputs = keras.ops.convert_to_numpy(call(np.zeros((2, 8192), "float32")))
     assert keras.backend.standardize_dtype(outputs.dtype) == dtype

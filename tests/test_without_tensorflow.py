@@ -8,9 +8,8 @@ backend (Keras builds its graph with `jax2tf` on JAX): `kmp.export` and
 leave the model as it was; `kmp.diagnose` must give its own error, not an
 import error.
 
-Until kmp's core stops importing TensorFlow (issue 32), `import kmp` itself
-needs it, so the child hides TensorFlow just after that import: what is
-tested (the export and diagnose calls) imports it, if at all, when called.
+The child hides TensorFlow before it imports Keras and kmp, as on a JAX-only
+install (`tests/test_jax_install.py` trains, saves and loads there).
 `tests/conftest.py` runs this file in the JAX pass.
 """
 
@@ -26,12 +25,12 @@ import json
 import os
 import sys
 
+sys.modules["tensorflow"] = None  # as if not installed
+
 import keras
 import numpy as np
 
 import kmp
-
-sys.modules["tensorflow"] = None  # as if not installed
 
 kmp.set_policy("mixed_float16")
 inputs = keras.Input((4,))

@@ -15,8 +15,8 @@ import math
 import keras
 import numpy as np
 
+from kmp import _hardware
 from kmp import backends
-from kmp import policy as policy_module
 from kmp._float16 import OVERFLOW_AT
 from kmp._float16 import SUBNORMAL_BELOW
 from kmp._float16 import ZERO_AT_MOST
@@ -369,6 +369,6 @@ def recommend_policy(target, measured, has_bf16):
 
 
 def hardware_has_bfloat16():
-    return policy_module._runs_bfloat16(
-        policy_module._gpu_compute_capabilities(), policy_module._cpu_flags()
+    return _hardware._runs_bfloat16(
+        _hardware._gpu_compute_capabilities(), _hardware._cpu_flags()
     )

@@ -3,6 +3,8 @@ the model runs, why it has them, and the table that shows them."""
 
 import keras
 
+from kmp import _float32_layers
+from kmp import _keep_float32
 from kmp import _keras_internals
 from kmp import model as model_module
 from kmp import policy as policy_module
@@ -46,13 +48,13 @@ def layer_rows(model):
             reason = f"dtype= on the layer ({policy_name}), kept"
         else:
             reason = f"policy {policy_name}"
-            if isinstance(layer, policy_module._KERAS_FLOAT32_MATH_CLASSES) and (
+            if isinstance(layer, _float32_layers._KERAS_FLOAT32_MATH_CLASSES) and (
                 compute_dtype != "float32"
             ):
                 reason += "; Keras computes its statistics in float32"
         rows.append(
             {
-                "layer": policy_module._layer_label(layer),
+                "layer": _keep_float32._layer_label(layer),
                 "class": type(layer).__name__,
                 "compute_dtype": compute_dtype,
                 "variable_dtype": (

@@ -21,11 +21,11 @@ import functools
 import keras
 from keras import ops
 
+from kmp import _float32_layers
 from kmp import _optimizers
 from kmp import _scaling_step
 from kmp import backends
 from kmp import loss_scale as loss_scale_module
-from kmp import policy as policy_module
 
 # Log keys that carry kmp.callbacks.LossScaleMonitor's per-step values out of
 # the train function; kmp.Model's train function removes them.
@@ -106,7 +106,7 @@ def held_models_return_float32(model):
 def _returning_float32(call):
     @functools.wraps(call)
     def call_returning_float32(*args, **kwargs):
-        return policy_module._to_float32(call(*args, **kwargs))
+        return _float32_layers._to_float32(call(*args, **kwargs))
 
     return call_returning_float32
 

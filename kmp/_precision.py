@@ -26,6 +26,7 @@ import threading
 
 import keras
 
+from kmp import _float32_layers
 from kmp import _keras_internals
 from kmp import _token_ids
 from kmp import policy as policy_module
@@ -46,8 +47,8 @@ def settle(model, rules=None):
         plan = policy_module._float32_plan(model, rules)
         parents = _parents(model)
         for layer, role, reason, hands_on in plan:
-            if not isinstance(layer.dtype_policy, policy_module._Float32Policy):
-                layer.dtype_policy = policy_module._Float32Policy(
+            if not isinstance(layer.dtype_policy, _float32_layers._Float32Policy):
+                layer.dtype_policy = _float32_layers._Float32Policy(
                     hands_on=hands_on, reason=reason, was=layer.dtype_policy.name
                 )
             if role == "island" and _output_leaves_keras(layer, parents, model):
@@ -130,7 +131,7 @@ def _cast_back(layer):
         # Read from the policy: `kmp.export` and `kmp.load_model` give the
         # layer another one (a plain float32 policy hands float32 on).
         hands_on = getattr(layer.dtype_policy, "hands_on", None)
-        return outputs if hands_on is None else policy_module._cast_floats(outputs, hands_on)
+        return outputs if hands_on is None else _float32_layers._cast_floats(outputs, hands_on)
 
     call_casting_back._kmp_casts_back = True
     # object.__setattr__: Keras would track the function as layer state.

@@ -43,8 +43,9 @@ import warnings
 
 import keras
 
+from kmp import _float32_layers
+from kmp import _keep_float32
 from kmp import _keras_internals
-from kmp import policy as policy_module
 
 # The largest integer below which every integer is exact: 2**(significand
 # bits + 1). float16 has 10 stored significand bits, bfloat16 7.
@@ -205,7 +206,7 @@ def warning_message(layer, dtype):
     """What kmp warns when ids reach `layer` already rounded to `dtype`."""
     size = vocabulary_size(layer)
     return _WARNING.format(
-        layer=policy_module._layer_label(layer),
+        layer=_keep_float32._layer_label(layer),
         class_name=type(layer).__name__,
         dtype=dtype,
         largest=LARGEST_EXACT_INTEGER[dtype],
@@ -276,7 +277,7 @@ def _plan(model):
             holds_id_layer(layer, memo)
             and layer.autocast
             and _computes_in_sixteen_bits(layer)
-            and policy_module._can_change_policy(layer)
+            and _float32_layers._can_change_policy(layer)
             # A functional model does not cast its inputs; its layers do.
             and not isinstance(layer, _keras_internals.Functional)
         ):

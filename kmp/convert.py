@@ -11,6 +11,7 @@ import warnings
 
 import keras
 
+from kmp import _float32_layers
 from kmp import _keras_internals
 from kmp import _layer_dtypes
 from kmp import _precision
@@ -155,7 +156,7 @@ class _WrappedModel(model_module.Model):
 
     def get_config(self):
         return model_module._with_keep_float32({
-            "model": policy_module._unsettled_config(
+            "model": _float32_layers._unsettled_config(
                 keras.saving.serialize_keras_object(self.wrapped)
             ),
             "model_policy": self.wrapped.dtype_policy.name,
@@ -321,7 +322,7 @@ def _following_layers(model, policy):
     return {
         layer: policy
         for layer in _keras_internals.nested_layers(model, include_self=True, recursive=True)
-        if policy_module._can_change_policy(layer)
+        if _float32_layers._can_change_policy(layer)
         and layer.dtype_policy.name == source
         and not isinstance(layer, keras.layers.InputLayer)
     }

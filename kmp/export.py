@@ -25,6 +25,7 @@ import zipfile
 
 import keras
 
+from kmp import _float32_layers
 from kmp import _keras_internals
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
@@ -41,11 +42,11 @@ def _inference_layer_policy(layer, model_is_16_bit, policy_name):
     current = layer.dtype_policy
     if isinstance(layer, keras.layers.InputLayer):
         return None
-    if isinstance(current, policy_module._Float32Policy):
+    if isinstance(current, _float32_layers._Float32Policy):
         compute = keras.DTypePolicy(policy_name).compute_dtype
         if compute == "float32":
             return keras.DTypePolicy("float32")  # nothing to hand on
-        return policy_module._Float32Policy(
+        return _float32_layers._Float32Policy(
             hands_on=compute if current.hands_on is not None else None,
             reason=current.reason,
         )
@@ -54,7 +55,7 @@ def _inference_layer_policy(layer, model_is_16_bit, policy_name):
         return None
     if not keras.backend.is_float_dtype(current.compute_dtype):
         return None
-    if isinstance(layer, policy_module.FLOAT32_LAYER_CLASSES):
+    if isinstance(layer, _float32_layers.FLOAT32_LAYER_CLASSES):
         return "float32"
     if current.compute_dtype == "float32" and model_is_16_bit:
         # A float32 layer inside a 16-bit model was pinned there on purpose
@@ -77,9 +78,9 @@ def _inference_policies(model, policy_name):
     # policy of the moment it was loaded, whatever its layers were saved with.
     model_is_16_bit = any(
         keras.backend.standardize_dtype(layer.compute_dtype)
-        in policy_module._16_BIT_DTYPES
+        in _float32_layers._16_BIT_DTYPES
         and not isinstance(
-            layer, (keras.layers.InputLayer,) + policy_module.FLOAT32_LAYER_CLASSES
+            layer, (keras.layers.InputLayer,) + _float32_layers.FLOAT32_LAYER_CLASSES
         )
         for layer in layers[1:]
     )
@@ -90,7 +91,7 @@ def _inference_policies(model, policy_name):
             new_policy = policy_name
         else:
             new_policy = _inference_layer_policy(layer, model_is_16_bit, policy_name)
-        settled = isinstance(layer.dtype_policy, policy_module._Float32Policy)
+        settled = isinstance(layer.dtype_policy, _float32_layers._Float32Policy)
         if new_policy is not None and (settled or new_policy != layer.dtype_policy.name):
             changed[layer] = new_policy
     return changed
@@ -100,7 +101,7 @@ def _inference_policies(model, policy_name):
 def _inference_layers(model, policy_name):
     """`model`'s layers under `policy_name` by the module's rule, while the
     export traces it; the trained policies come back after."""
-    with policy_module._layer_policies(_inference_policies(model, policy_name)):
+    with _float32_layers._layer_policies(_inference_policies(model, policy_name)):
         yield
 
 
@@ -212,7 +213,7 @@ def export(
             input_signature = _keras_internals.get_input_signature(model)
 
         def serve(*args, **call_kwargs):
-            return policy_module._to_float32(model(*args, **call_kwargs))
+            return _float32_layers._to_float32(model(*args, **call_kwargs))
 
         archive = keras.export.ExportArchive()
         archive.track(model)
@@ -350,7 +351,7 @@ def _add_loss_scaling_if_needed(model):
         return
     if getattr(model, "_kmp_loss_scale", "auto") is None:
         return
-    if not policy_module._computes_in_float16(model):
+    if not _float32_layers._computes_in_float16(model):
         return
     # The loaded optimizer keeps its slots and iterations: Keras optimizers
     # do not rebuild once built, so the wrapper only adds its own state.

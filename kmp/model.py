@@ -13,8 +13,9 @@ from kmp import backends
 from kmp import export as export_module
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
-from kmp.policy import _computes_in_float16
-from kmp.policy import _to_float32
+from kmp._float32_layers import _computes_in_float16
+from kmp._float32_layers import _to_float32
+from kmp._float32_layers import _unsettled_config
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _LOSS_SCALE_CHOICES = (
@@ -535,7 +536,7 @@ class FunctionalModel(Model, _keras_internals.Functional):
 
     def get_config(self):
         config = _with_keep_float32(
-            policy_module._unsettled_config(super().get_config()), self
+            _unsettled_config(super().get_config()), self
         )
         if getattr(self, "_kmp_sequential_layers", False):
             config["sequential_layers"] = True

@@ -24,26 +24,10 @@ from kmp._float32_layers import _builtin_rules
 from kmp._float32_layers import _plan as _plan_float32_layers
 from kmp._keep_float32 import _Float32Rules
 
-# Re-exported: other kmp modules read these as `kmp.policy.<name>`, as they did
-# before policy.py was split by concept (issue 32).
-from kmp._float32_layers import _16_BIT_DTYPES  # noqa: F401
-from kmp._float32_layers import _KERAS_FLOAT32_MATH_CLASSES  # noqa: F401
+# Public names of this module since 0.1, defined with the float32 layers.
 from kmp._float32_layers import FLOAT32_LAYER_CLASSES  # noqa: F401
 from kmp._float32_layers import KEEP_FLOAT32_CLASSES  # noqa: F401
-from kmp._float32_layers import _Float32Policy  # noqa: F401
-from kmp._float32_layers import _can_change_policy  # noqa: F401
-from kmp._float32_layers import _cast_floats  # noqa: F401
-from kmp._float32_layers import _computes_in_float16  # noqa: F401
-from kmp._float32_layers import _layer_policies  # noqa: F401
-from kmp._float32_layers import _to_float32  # noqa: F401
-from kmp._float32_layers import _unsettled_config  # noqa: F401
-from kmp._hardware import _BFLOAT16_CPU_FLAGS  # noqa: F401
-from kmp._hardware import _choose_auto_policy  # noqa: F401
-from kmp._hardware import _cpu_flags  # noqa: F401
-from kmp._hardware import _gpu_compute_capabilities  # noqa: F401
-from kmp._hardware import _gpus  # noqa: F401
-from kmp._hardware import _runs_bfloat16  # noqa: F401
-from kmp._keep_float32 import _layer_label  # noqa: F401
+
 
 _LOGGER = logging.getLogger("kmp")
 

@@ -13,8 +13,8 @@ import tensorflow as tf
 
 import kmp
 from kmp import _command
+from kmp import _hardware
 from kmp import cli
-from kmp import policy as policy_module
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_doctor_json_reports_versions_devices_auto_policy_and_speedups():
     assert report["auto_policy"]["reason"].startswith("auto: ")
     devices = report["devices"]
     assert len(devices["gpus"]) == len(tf.config.list_physical_devices("GPU"))
-    flags = policy_module._cpu_flags()
+    flags = _hardware._cpu_flags()
     assert devices["cpu"]["flags"] == {flag: flag in flags for flag in cli._CPU_FLAGS}
     benchmark = report["benchmark"]
     assert benchmark["device"] == ("/GPU:0" if devices["gpus"] else "/CPU:0")

@@ -16,6 +16,7 @@ from _helpers import assert_close_to_float16_rounding
 from _helpers import child_env
 from _helpers import float32_compute_dtype
 from _helpers import graph_dtypes
+from kmp import _float32_layers
 from kmp import policy as policy_module
 
 # How far apart outputs of these two-layer models may be, in roundings to the
@@ -206,7 +207,7 @@ def test_float32_layers_settled_in_the_model_follow_the_inference_policy(tmp_pat
     model = Residual()
     x = _data()
     predictions = model.predict(x, verbose=0)
-    assert isinstance(norm.dtype_policy, policy_module._Float32Policy)
+    assert isinstance(norm.dtype_policy, _float32_layers._Float32Policy)
     assert norm.dtype_policy.hands_on == "float16"
     model.export(tmp_path / "f32", verbose=False, inference_policy="float32")
     assert "float16" not in graph_dtypes(tmp_path / "f32")

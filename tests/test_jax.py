@@ -23,7 +23,6 @@ from keras import ops
 
 import kmp
 from kmp import _hardware
-from kmp import policy as policy_module
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="the KERAS_BACKEND=jax pass runs it"
@@ -72,12 +71,12 @@ def test_set_policy_sets_keras_global_policy_on_jax(name, compute):
 
 
 def test_auto_asks_jax_for_gpus_and_picks_float32_on_a_cpu():
-    gpus = policy_module._gpus()
+    gpus = _hardware._gpus()
     assert [d.platform for d in jax.devices()].count("gpu") == len(gpus)
     policy = kmp.set_policy("auto")
     if gpus:
-        expected, _ = policy_module._choose_auto_policy(
-            policy_module._gpu_compute_capabilities(), policy_module._cpu_flags()
+        expected, _ = _hardware._choose_auto_policy(
+            _hardware._gpu_compute_capabilities(), _hardware._cpu_flags()
         )
         assert policy.name == expected
     else:

@@ -4,6 +4,7 @@ import pytest
 
 from _helpers import DtypeProbe
 import kmp
+from kmp import _float32_layers
 from kmp import _hardware
 from kmp import policy as policy_module
 
@@ -103,7 +104,7 @@ def test_policy_config_round_trip():
     ],
 )
 def test_auto_rule(gpus, flags, expected, words):
-    name, reason = policy_module._choose_auto_policy(gpus, flags)
+    name, reason = _hardware._choose_auto_policy(gpus, flags)
     assert name == expected
     assert words in reason
 
@@ -125,11 +126,11 @@ def test_set_policy_auto_uses_detected_hardware(monkeypatch, caplog):
 
 
 def test_auto_on_this_machine_matches_its_cpu_flags():
-    flags = policy_module._cpu_flags()
+    flags = _hardware._cpu_flags()
     policy = kmp.set_policy("auto")
-    gpus = policy_module._gpu_compute_capabilities()
+    gpus = _hardware._gpu_compute_capabilities()
     if gpus:  # the GPU decides
-        assert policy.name == policy_module._choose_auto_policy(gpus, flags)[0]
+        assert policy.name == _hardware._choose_auto_policy(gpus, flags)[0]
     elif {"avx512_bf16", "amx_bf16"} & flags and keras.backend.backend() == "tensorflow":
         assert policy.name == "mixed_bfloat16"
     else:
@@ -140,8 +141,8 @@ def test_auto_on_this_machine_matches_its_cpu_flags():
 def test_cpu_flags_parses_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
-    assert policy_module._cpu_flags(str(cpuinfo)) == {"fpu", "avx512f", "avx512_bf16"}
-    assert policy_module._cpu_flags(str(tmp_path / "missing")) == set()
+    assert _hardware._cpu_flags(str(cpuinfo)) == {"fpu", "avx512f", "avx512_bf16"}
+    assert _hardware._cpu_flags(str(tmp_path / "missing")) == set()
 
 
 @pytest.mark.parametrize(
@@ -157,12 +158,10 @@ def test_cpu_flags_parses_cpuinfo(tmp_path):
 def test_one_bfloat16_rule_for_auto_diagnose_and_doctor(monkeypatch, gpus, flags, native):
     from kmp import _diagnose_probe
 
-    assert policy_module._runs_bfloat16(gpus, flags) is native
-    # "auto" reads the hardware in kmp/_hardware.py; kmp.diagnose's probe
-    # reads it through the names kmp.policy re-exports.
-    for module in (_hardware, policy_module):
-        monkeypatch.setattr(module, "_gpu_compute_capabilities", lambda: gpus)
-        monkeypatch.setattr(module, "_cpu_flags", lambda: flags)
+    assert _hardware._runs_bfloat16(gpus, flags) is native
+    # "auto" and kmp.diagnose's probe both read the hardware in kmp/_hardware.py.
+    monkeypatch.setattr(_hardware, "_gpu_compute_capabilities", lambda: gpus)
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: flags)
     assert _diagnose_probe.hardware_has_bfloat16() is native
     # On JAX without a GPU, auto picks float32 whatever the CPU (test_jax.py).
     native_here = native and (bool(gpus) or keras.backend.backend() == "tensorflow")
@@ -236,7 +235,7 @@ def test_layer_policies_switches_and_restores_also_when_the_block_raises():
     first = keras.layers.Dense(2, dtype="mixed_float16")
     second = keras.layers.Dense(2, dtype="mixed_bfloat16")
     with pytest.raises(RuntimeError, match="boom"):
-        with policy_module._layer_policies({first: "float32", second: "mixed_float16"}):
+        with _float32_layers._layer_policies({first: "float32", second: "mixed_float16"}):
             assert (first.compute_dtype, second.compute_dtype) == ("float32", "float16")
             raise RuntimeError("boom")
     assert (first.dtype_policy.name, second.dtype_policy.name) == (
@@ -249,7 +248,7 @@ def test_layer_policies_restores_the_layers_switched_before_a_bad_policy():
     first = keras.layers.Dense(2, dtype="mixed_float16")
     second = keras.layers.Dense(2, dtype="mixed_float16")
     with pytest.raises(ValueError):
-        with policy_module._layer_policies({first: "float32", second: "no_such_policy"}):
+        with _float32_layers._layer_policies({first: "float32", second: "no_such_policy"}):
             pass  # pragma: no cover - never entered
     assert first.dtype_policy.name == "mixed_float16"
     assert second.dtype_policy.name == "mixed_float16"
@@ -265,7 +264,7 @@ def test_float32_layers_are_settled_once_at_the_first_call_not_switched_per_call
     x = np.full((1, 64), 300.0, "float32")
     first = model(x)
     settled = norm.dtype_policy
-    assert isinstance(settled, policy_module._Float32Policy)
+    assert isinstance(settled, _float32_layers._Float32Policy)
     assert (settled.compute_dtype, settled.hands_on) == ("float32", "float16")
     # The probe takes its input as it comes (as third-party code does), so
     # the outputs are cast back to float16: by a call set once, at settling.
@@ -291,7 +290,7 @@ def test_a_float32_layer_whose_consumers_cast_is_not_wrapped():
     dense = keras.layers.Dense(1, kernel_initializer="ones")
     model = kmp.Model(inputs, dense(norm(inputs)))
     result = model(np.full((1, 64), 300.0, "float32"))
-    assert isinstance(norm.dtype_policy, policy_module._Float32Policy)
+    assert isinstance(norm.dtype_policy, _float32_layers._Float32Policy)
     assert "call" not in vars(norm)
     assert dense.compute_dtype == "float16"
     # 64 outputs of 1/8 summed: 8, where float16 norms would give 0.
@@ -453,7 +452,7 @@ def test_float32_layers_in_subclassed_and_nested_models():
     assert seen[-1] == "bfloat16"
     # Settled on the layer itself (the nested model is net's), and its
     # outputs cast back: `net.call` adds them to bfloat16 tensors.
-    assert isinstance(inner.layers[1].dtype_policy, policy_module._Float32Policy)
+    assert isinstance(inner.layers[1].dtype_policy, _float32_layers._Float32Policy)
     assert inner.layers[1].dtype_policy.hands_on == "bfloat16"
     assert net.norm.compute_dtype == "bfloat16"
     assert np.all(np.isfinite(keras.ops.convert_to_numpy(result)))
@@ -472,7 +471,7 @@ def test_set_policy_keep_float32_checks_its_entries_and_changes_nothing_on_error
     model = kmp.Model(inputs, probe(dense(inputs)))
     model(np.ones((1, 4), "float32"))
     assert probe.seen[-1] == "bfloat16"  # float32 inside, bfloat16 handed on
-    assert isinstance(dense.dtype_policy, kmp.policy._Float32Policy)
+    assert isinstance(dense.dtype_policy, _float32_layers._Float32Policy)
     assert dense.dtype_policy.hands_on == "bfloat16"
 
 

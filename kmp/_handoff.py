@@ -161,7 +161,6 @@ def take_for_apply(optimizer):
     """
     record = optimizer._kmp_record
     scaled, divided, loss = record.take()
-    record.answer = StepAnswer(loss=loss)
     if not (scaled or divided):
         _warn_once(optimizer, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
     return not divided and (scaled or not record.in_model_step), loss

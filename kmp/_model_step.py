@@ -141,7 +141,7 @@ def retries_on(model, optimizer):
         and not is_users_scaler(model, optimizer)
         and optimizer.enabled
         and optimizer.dynamic
-        and not getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None)
+        and not _scaling_step.accumulation_steps(optimizer)
         and backends.get("trainer").can_retry()
     )
 
@@ -192,16 +192,25 @@ def scaler_logs(model, applied, retrying=False):
     ):
         # For kmp.callbacks.LossScaleMonitor, and only while one watches:
         # returned with the step's outputs (no extra device round trip),
-        # then taken out of the logs by `make_train_function` before any
+        # then taken out of the logs by `pop_monitor_logs` before any
         # callback sees them. Not with several replicas: Keras would
         # all-reduce each of them, and collectives of different shapes
         # can be ordered differently on each replica; the monitor reads
         # the optimizer instead.
-        counters, nonfinite_gradients = _scaling_step.monitor_state(scalers[0])
-        logs[MONITOR_LOG_PREFIX + "counters"] = counters
-        logs[MONITOR_LOG_PREFIX + "nonfinite_gradients"] = nonfinite_gradients
-        logs[MONITOR_LOG_PREFIX + "loss"] = ops.cast(loss, "float32")
+        logs.update(monitor_logs(scalers[0], loss))
     return logs
+
+
+def monitor_logs(optimizer, loss):
+    """The monitor's values of this step, under `MONITOR_LOG_PREFIX`: the
+    counters and overflow flags `optimizer` holds now, and the unscaled loss."""
+    counters, nonfinite_gradients = _scaling_step.monitor_state(optimizer)
+    return {
+        MONITOR_LOG_PREFIX + "counters": counters,
+        MONITOR_LOG_PREFIX + "nonfinite_gradients": nonfinite_gradients,
+        MONITOR_LOG_PREFIX + "loss": ops.cast(loss, "float32"),
+    }
+
 
 def wrap_optimizers(model, loss_scale_optimizer):
     """Makes every optimizer the model holds a kmp.LossScaleOptimizer.

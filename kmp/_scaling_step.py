@@ -237,8 +237,9 @@ def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
         )
         return new_trainable, list(optimizer_variables[:own]) + list(new_inner)
     divide, _ = _handoff.take_for_apply(optimizer)
-    # A loss recorded in a traced function must not outlive its trace.
-    optimizer._kmp_record.answer = None
+    # Applied; no loss kept: one recorded in a traced function must not
+    # outlive its trace.
+    optimizer._kmp_record.answer = _handoff.StepAnswer()
     new_trainable, new_values, _ = stateless_step(
         optimizer, optimizer_variables, grads, trainable_variables, divide=divide
     )

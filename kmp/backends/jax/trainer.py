@@ -150,14 +150,8 @@ def _monitor_logs(optimizer, optimizer_values, loss):
     monitor may keep them until it processes the step (a variable's value
     read during fit is an input of the next step, whose buffer JAX reuses).
     """
-    prefix = _model_step.MONITOR_LOG_PREFIX
     with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_values))):
-        counters, nonfinite_gradients = _scaling_step.monitor_state(optimizer)
-    return {
-        prefix + "counters": counters,
-        prefix + "nonfinite_gradients": nonfinite_gradients,
-        prefix + "loss": ops.cast(loss, "float32"),
-    }
+        return _model_step.monitor_logs(optimizer, loss)
 
 
 def reporting_step(model, step, own):

@@ -8,7 +8,7 @@ public way to do. So `kmp.diagnose` runs on TensorFlow only, and says how
 to get there from a JAX process.
 """
 
-import keras
+from kmp.backends.jax import unsupported
 
 _INSTEAD = (
     "Save the model (`model.save('model.keras')`) and run kmp.diagnose on it in a "
@@ -24,10 +24,7 @@ def check_supported():
         NotImplementedError: always, naming the running backend and what to
             do instead.
     """
-    raise NotImplementedError(
-        "kmp.diagnose needs the TensorFlow backend of Keras; this process runs "
-        f"KERAS_BACKEND={keras.backend.backend()!r}. {_INSTEAD}"
-    )
+    raise unsupported("kmp.diagnose", _INSTEAD)
 
 
 def run_pass(extractor, weights, x, y, loss_fns, scale):

@@ -39,6 +39,7 @@ from kmp import _model_step
 from kmp import _scaling_rule
 from kmp import _scaling_step
 from kmp import loss_scale as loss_scale_module
+from kmp.backends.jax import unsupported
 
 # `jax.jit` keeps its traces by the Python function: a new reporting wrapper
 # for each train function (see `kmp.Model.make_train_function`).
@@ -53,7 +54,7 @@ def can_retry():
 def check_compile(model, overflow_retries):
     """Refuses a `tf.distribute` strategy and retries, which are TensorFlow's."""
     if _tf_strategy_in_use():
-        raise _unsupported(
+        raise unsupported(
             "A tf.distribute strategy",
             "On JAX, set keras.distribution.DataParallel (or another keras.distribution) "
             "before building the model instead.",
@@ -258,11 +259,3 @@ def _tf_strategy_in_use():
     Without TensorFlow imported, none can be: it is not imported here."""
     tf = sys.modules.get("tensorflow")
     return tf is not None and tf.distribute.has_strategy()
-
-
-def _unsupported(feature, instead):
-    """The error for what kmp runs on TensorFlow only."""
-    return NotImplementedError(
-        f"{feature} needs the TensorFlow backend of Keras; this process runs "
-        f"KERAS_BACKEND={keras.backend.backend()!r}. {instead}"
-    )

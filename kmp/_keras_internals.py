@@ -45,6 +45,7 @@ uses it says more):
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `backends/jax/trainer.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
 | `Trainer._loss_tracker` | `loss_tracker` | `backends/tensorflow/trainer.py`, `backends/jax/trainer.py` | whether a step computed a loss, for the loss a skipped step logs |
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
+| `Trainer._get_metrics_result_or_logs` (overridden) | `ModelBase` | `model.py` | the epoch's end, before `fit` reads its logs: the batches kmp's XLA train function redoes one call later are redone (`_kmp_finish_epoch`) |
 | `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
 | `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `backends/tensorflow/distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 
@@ -416,7 +417,8 @@ def symbolic_build(model, data_batch):
 
 
 class ModelBase(keras.Model):
-    """`keras.Model` whose build before `fit` a subclass may take over.
+    """`keras.Model` whose build before `fit`, and whose epoch's end, a
+    subclass may take over.
 
     Keras' `Trainer._maybe_symbolic_build` (Keras 3.0 to 3.15) averages the
     first batch over replicas just to read its shapes, which fails across
@@ -424,6 +426,14 @@ class ModelBase(keras.Model):
     (`Trainer._distribute_strategy`), it first asks the subclass's
     `_kmp_build_from_iterator(iterator, strategy)`, which returns whether it
     built the model itself; otherwise Keras builds as always.
+
+    `Trainer._get_metrics_result_or_logs(logs)` (Keras 3.0 to 3.15) is what
+    `fit` calls at each epoch's end, after its last train function call,
+    with that call's logs (and `evaluate` at its end): no public hook runs
+    there before the epoch's logs are read (callbacks get them after). It
+    first asks the subclass's `_kmp_finish_epoch(logs)`, which returns the
+    logs to read, once kmp's train function has redone the overflowing
+    batches still pending.
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -438,3 +448,9 @@ class ModelBase(keras.Model):
 
     def _kmp_build_from_iterator(self, iterator, strategy):
         return False
+
+    def _get_metrics_result_or_logs(self, logs):
+        return super()._get_metrics_result_or_logs(self._kmp_finish_epoch(logs))
+
+    def _kmp_finish_epoch(self, logs):
+        return logs

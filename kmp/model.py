@@ -455,6 +455,9 @@ class Model(_keras_internals.ModelBase):
     def _kmp_build_from_iterator(self, iterator, strategy):
         return backends.get("trainer").build_from_iterator(self, iterator, strategy)
 
+    def _kmp_finish_epoch(self, logs):
+        return backends.get("trainer").finish_epoch(self, logs)
+
     def fit(
         self,
         x=None,

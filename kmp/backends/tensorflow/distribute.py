@@ -27,6 +27,8 @@ shapes and dtypes matter, so no collective is needed) and, under
 which reduce all the step's logs in one collective.
 """
 
+import collections
+
 import keras
 import tensorflow as tf
 
@@ -186,14 +188,21 @@ def train_or_test_function(model, step_function, keras_function, retries=False):
         or strategy.num_replicas_in_sync != 1
     ):
         return keras_function
-    direct = make_function(model, step_function, retries=retries)
+    return _ByIterator(make_function(model, step_function, retries=retries), keras_function)
 
-    def function(iterator):
+
+class _ByIterator:
+    """`direct` for `tf.data` and distributed iterators, `keras_function`
+    for anything else; `finish_epoch` is `direct`'s, where it has one."""
+
+    def __init__(self, direct, keras_function):
+        self._direct, self._keras_function = direct, keras_function
+        self.finish_epoch = getattr(direct, "finish_epoch", lambda: None)
+
+    def __call__(self, iterator):
         if isinstance(iterator, _ITERATORS):
-            return direct(iterator)
-        return keras_function(iterator)
-
-    return function
+            return self._direct(iterator)
+        return self._keras_function(iterator)
 
 
 def make_function(model, step_function, retries=False):
@@ -226,7 +235,10 @@ def make_function(model, step_function, retries=False):
     first guarded by a cond) are honoured as in Keras.
 
     With `retries` (a train step compiled by XLA), a batch whose gradients
-    overflowed is redone here, by calling the compiled step again on it:
+    overflowed is redone by calling the compiled step again on it. With one
+    step per call, `RedoLater` does it from Python, one call later, so that
+    nothing in the function waits for the step's outcome (see there). With
+    several, the function redoes it at once:
 
     ```
     logs = step(batch, attempt=0)          # one XLA program: one attempt
@@ -234,13 +246,16 @@ def make_function(model, step_function, retries=False):
         logs = step(batch, attempt=1, 2, ...)
     ```
 
-    The step is compiled once, and XLA sees no loop or branch that may
-    write the variables: each would get buffers of its own and copy every
-    weight and slot on every step (see `kmp.backends.tensorflow.trainer.train_step`).
+    an `If` op whose predicate the host reads, so each of those steps
+    waits for the one before it. In both, the step is compiled once, and
+    XLA sees no loop or branch that may write the variables: each would get
+    buffers of its own and copy every weight and slot on every step (see
+    `kmp.backends.tensorflow.trainer.train_step`).
 
     Returns:
         A function of a `tf.data` or distributed iterator that returns the
-        logs of the last step it ran.
+        logs of the last step it ran (a `RedoLater` with retries and one
+        step per call).
     """
     strategy = model.distribute_strategy
 
@@ -297,6 +312,15 @@ def make_function(model, step_function, retries=False):
         # step, taken or not (~0.5 ms a step on a CPU for 200 variables).
         return _keras_internals.unlowered_cond(retry, redo, lambda: logs)
 
+    if retries and model.steps_per_execution == 1 and not model.run_eagerly:
+
+        @tf.autograph.experimental.do_not_convert
+        def launch(iterator):
+            data = iterator.get_next()
+            return one_step_on_data(data, tf.constant(0)), data
+
+        return RedoLater(model, tf.function(launch, reduce_retracing=True), one_step_on_data)
+
     @tf.autograph.experimental.do_not_convert
     def multi_step_on_iterator(iterator):
         steps = model.steps_per_execution
@@ -342,6 +366,83 @@ def make_function(model, step_function, retries=False):
             multi_step_on_iterator, reduce_retracing=True
         )
     return multi_step_on_iterator
+
+
+class RedoLater:
+    """fit's train function with retries around an XLA-compiled step, one
+    step per call: an overflowing batch is redone one call later.
+
+    ```
+    def train_function(iterator):
+        logs, batch = step(next(iterator), attempt=0)     # launched, not awaited
+        checked = pending[:]                    # the steps launched before
+        pending.append((batch, 1, logs.pop(RETRY_LOG)))
+        for batch, attempt, retry in checked:   # done, or nearly: the
+            if retry:                           # device has this call's step
+                logs = step(batch, attempt)     # queued behind them
+                pending.append((batch, attempt + 1, logs.pop(RETRY_LOG)))
+        return logs                             # of the step launched last
+    ```
+
+    The host reads a step's retry flag only after it has launched the next
+    step, so the device always has a step queued while the host waits: a
+    flag read at once (an `If` on it in the function) made the host wait
+    for every step before it could launch the next, and the device idle
+    while it did. An overflowing batch is so redone after the next batch:
+    the scale backed off in the step that overflowed, so that batch already
+    runs at the lower scale. Until a first step has been applied (the
+    scale settling on the first batch, `overflow_retries="auto"`'s 32
+    retries) each step is checked at once and redone before the next, as
+    without XLA: otherwise every batch launched meanwhile would overflow too.
+
+    `finish_epoch` redoes what is still pending, before the epoch's logs are
+    read (`kmp.Model` calls it there), so no batch is lost at an epoch's end.
+
+    Args:
+        model: The `kmp.Model`.
+        launch: `tf.function` of an iterator: `(logs, batch)` of its next
+            batch's first attempt.
+        redo: The compiled step, a `tf.function` of `(batch, attempt)`.
+    """
+
+    def __init__(self, model, launch, redo):
+        self._model, self._launch, self._redo = model, launch, redo
+        self._pending = collections.deque()  # (batch, attempt, retry flag)
+        self._settled = False
+
+    def __call__(self, iterator):
+        logs, batch = self._launch(iterator)
+        checked = len(self._pending)
+        logs = self._queue(batch, 1, logs)
+        if not self._settled:
+            logs = self._redo_pending(logs, None)
+            iterations = self._model.optimizer.iterations
+            self._settled = bool(keras.ops.convert_to_numpy(iterations) > 0)
+            return logs
+        return self._redo_pending(logs, checked)
+
+    def finish_epoch(self):
+        """Redoes every batch still pending; returns the logs of the last
+        step run, or `None` where none was pending."""
+        if not self._pending:
+            return None
+        return self._redo_pending(None, None)
+
+    def _queue(self, batch, attempt, logs):
+        logs = dict(logs)
+        self._pending.append((batch, attempt, logs.pop(RETRY_LOG)))
+        return logs
+
+    def _redo_pending(self, logs, count):
+        """Checks the `count` oldest pending steps (all, and the redos they
+        lead to, where `None`) and redoes those that ask for it."""
+        while self._pending and (count is None or count > 0):
+            batch, attempt, retry = self._pending.popleft()
+            if count is not None:
+                count -= 1
+            if bool(retry):
+                logs = self._queue(batch, attempt + 1, self._redo(batch, tf.constant(attempt)))
+        return logs
 
 
 def symbolic_build(model, iterator):

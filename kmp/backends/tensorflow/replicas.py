@@ -52,6 +52,10 @@ class _InReplica:
         return collective(flags)
 
 
+# `run_step`'s `replicas` where per-replica work runs inline.
+IN_REPLICA = _InReplica
+
+
 class _CrossReplica:
     """Per-replica work runs on every replica; decisions come from the first."""
 

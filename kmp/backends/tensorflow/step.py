@@ -93,10 +93,9 @@ class DeferredApply:
 
     def apply_if(self, finite, grads, scale):
         """Applies `grads` (carrying `scale`) where `finite`: unscaled,
-        clipped and applied by the inner optimizer, as `_step` applies.
-        The skip is a conditional's empty branch: only there does XLA copy
-        the variables."""
-        ops.cond(finite, lambda: self._apply(list(grads), scale), lambda: None)
+        clipped and applied by the inner optimizer, as `_step` applies, with
+        the skip a select (`apply_or_keep`): it runs under XLA only."""
+        self._apply(list(grads), scale, finite)
 
 
 def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, defer, answer):
@@ -222,11 +221,19 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         scale = snapshot(optimizer._kmp_scale.value)
         answer["deferred"] = DeferredApply(
             list(grads), scale,
-            lambda grads, scale: replicas.run(
-                lambda grads, variables: apply_unscaled(grads, variables, scale),
+            lambda grads, scale, finite: replicas.run(
+                lambda grads, variables: apply_or_keep(
+                    finite, lambda: apply_unscaled(grads, variables, scale), inner, variables
+                ),
                 grads, variables,
             ),
         )
+        _scaling_step.assign_state(optimizer, decision)
+        return decision.finite, decision.retry
+
+    if not window and replicas is replicas_module.IN_REPLICA and _keras_internals.in_xla_context():
+        # Under XLA a select, not a conditional (see `apply_or_keep`).
+        apply_or_keep(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables)
         _scaling_step.assign_state(optimizer, decision)
         return decision.finite, decision.retry
 
@@ -260,6 +267,40 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
 
     ops.cond(boundary, end_window, lambda: None)
     return decision.finite, decision.retry
+
+
+def apply_or_keep(finite, apply, inner, variables):
+    """Runs `apply()` (the inner optimizer's update of `variables`), then
+    keeps each value it wrote only where `finite`: the skip as a select.
+
+    ```
+    before = [v for v in variables + inner.variables]   # values, not copies
+    apply()                                  # runs whatever the gradients hold
+    for v, old in zip(variables + inner.variables, before):
+        v = where(finite, v, old)            # a skipped step changes nothing
+    ```
+
+    Under XLA, where kmp uses it, this is the shape of Keras' own step:
+    each select fuses into the update that feeds it, and the step has no
+    `conditional`. A conditional, even one with an empty branch, survives
+    XLA's passes: XLA:GPU reads its predicate on the host in the middle of
+    the step, its operands (float32 copies of every gradient) must exist
+    before it runs, and, on a strategy's all-GPU path, TensorFlow refuses
+    the `merge_call` an optimizer's `apply` makes inside its branch
+    (keras-team/keras#21366). Without XLA a `cond` stays cheaper: a graph
+    would run the update's ops and every select on each skipped step.
+
+    Args:
+        finite: Boolean scalar tensor: keep what `apply` wrote.
+        apply: Callable of no arguments that updates `variables`.
+        inner: The inner Keras optimizer (its slots, iterations, ...).
+        variables: The variables `apply` updates.
+    """
+    guarded = list(variables) + [v for v in inner.variables]
+    before = [snapshot(v.value) for v in guarded]
+    apply()
+    for variable, value in zip(guarded, before):
+        variable.assign(ops.where(finite, variable.value, value))
 
 
 def _clips(optimizer):

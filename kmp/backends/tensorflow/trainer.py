@@ -2,7 +2,7 @@
 
 The same names as `kmp/backends/jax/trainer.py` (`train_step`,
 `reporting_step`, `train_function`, `test_function`, `check_compile`,
-`strategy_scope`, `can_retry`, `build_from_iterator`):
+`strategy_scope`, `can_retry`, `build_from_iterator`, `finish_epoch`):
 
 - `reporting_step` wraps the `train_step` of the kmp.Model being trained
   (set once on the instance): the logs carry each loss scaler that applied.
@@ -53,19 +53,42 @@ def train_function(model, own_step):
     retries = bool(
         model.jit_compile and own_step and _model_step.retries_on(model, model.optimizer)
     )
-    keras_train_function = distribute_module.train_or_test_function(
+    return _TrainFunction(model, distribute_module.train_or_test_function(
         model, model.train_step, model.train_function, retries=retries
-    )
+    ))
 
-    def train_function(iterator):
-        logs = keras_train_function(iterator)
+
+class _TrainFunction:
+    """What `train_function` returns: `function`, with the monitor's values
+    taken out of its logs, and the epoch's end (`finish_epoch`)."""
+
+    def __init__(self, model, function):
+        self._model, self._function = model, function
+
+    def __call__(self, iterator):
+        return self._without_monitor_logs(self._function(iterator))
+
+    def finish_epoch(self, logs):
+        """The epoch's last logs once nothing is pending (`distribute.RedoLater`)."""
+        finish = getattr(self._function, "finish_epoch", None)
+        last = None if finish is None else finish()
+        return logs if last is None else self._without_monitor_logs(last)
+
+    def _without_monitor_logs(self, logs):
         if isinstance(logs, dict):
             # object.__setattr__: Keras would track the dict as part of the
             # model (and take ~10 us a step doing so).
-            object.__setattr__(model, "_kmp_monitor_logs", _model_step.pop_monitor_logs(logs))
+            object.__setattr__(
+                self._model, "_kmp_monitor_logs", _model_step.pop_monitor_logs(logs)
+            )
         return logs
 
-    return train_function
+
+def finish_epoch(model, logs):
+    """The logs `fit` reads at an epoch's end: `logs`, or those of the
+    overflowing batches kmp's train function redid after them."""
+    function = model.train_function
+    return function.finish_epoch(logs) if isinstance(function, _TrainFunction) else logs
 
 
 def test_function(model):

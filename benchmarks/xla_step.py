@@ -14,13 +14,18 @@ step time and the median over chunks of the paired ratio against kmp's
 default (above 1: the default is faster). Alternating in one process is what
 makes the ratios comparable on a shared machine; absolute times are not.
 
-It also reads, under XLA, the optimized HLO of one training step of each
-configuration (copies of variable-sized buffers, `dot` ops, conditionals)
-and, with `--buffers`, the total that XLA's buffer assignment gives the
-step (`XLA_FLAGS=--xla_dump_to`).
+It also reads, under XLA, what a GPU would wait on: in the graph of the
+train function `fit` runs, the host-side control flow (`If`, `While`,
+`Case`) fed by an output of the compiled step (`host_control_flow`: the
+host cannot take such an op before the device has finished the step); and
+in the optimized HLO of that compiled step, the `conditional`s left (whose
+predicate XLA:GPU reads on the host), with copies of variable-sized buffers
+and `dot` ops. With `--buffers`, also the total that XLA's buffer
+assignment gives the step (`XLA_FLAGS=--xla_dump_to`).
 """
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -92,16 +97,233 @@ def hlo_counts(text, variable_shapes):
     }
 
 
-def step_hlo(model, x, y):
-    """The optimized HLO of one `model.train_step` on `(x, y)` under XLA."""
+# Control flow that TensorFlow runs on the host, its predicate (or branch
+# index) in host memory; inside an XLA-compiled function it is XLA's instead.
+HOST_CONTROL_FLOW_OPS = frozenset(
+    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"}
+)
+_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# Ops that hand a tensor on unchanged: what they output is still the step's.
+_PASS_THROUGH_OPS = frozenset({"Identity", "IdentityN", "Snapshot"})
+
+HostControlFlow = collections.namedtuple("HostControlFlow", "function op name inputs")
+HostControlFlow.__doc__ = """A host-side control-flow op fed by an output of a compiled step.
+
+Attributes:
+    function: String. The function whose graph holds the op: the train
+        function's own, or a branch, loop body or call it runs on the host.
+    op: String. The op type (`"If"`, `"While"`, ...).
+    name: String. The op's name in that graph.
+    inputs: Tuple of ints. Which of its inputs come from the step (0 is an
+        `If`'s predicate and a `Case`'s branch index).
+"""
+
+
+def _tf_functions(function):
+    """The `tf.function`s that `function` reaches through its closures, nearest first.
+
+    Keras' `model.train_function` and kmp's are Python functions around the
+    `tf.function` that takes the iterator, which calls the compiled step.
+    """
     import tensorflow as tf
 
-    model.make_train_function()
-    step = model.train_step
-    function = tf.function(lambda data: step(data), jit_compile=True)
-    return function.experimental_get_compiler_ir((tf.constant(x), tf.constant(y)))(
-        stage="optimized_hlo"
+    found, seen, queue = [], set(), collections.deque([function])
+    while queue:
+        current = queue.popleft()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, tf.types.experimental.PolymorphicFunction):
+            found.append(current)
+            current = current.python_function
+        for cell in getattr(current, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not filled yet
+                continue
+            if callable(value) and not isinstance(value, type):
+                queue.append(value)
+    return found
+
+
+def train_function_graph(model, iterator):
+    """The concrete function that `model.train_function` runs on `iterator`.
+
+    Args:
+        model: `keras.Model` (or `kmp.Model`), compiled, its train function
+            made (`model.make_train_function()`) and, so that nothing is
+            traced anew, called once on `iterator`.
+        iterator: The `tf.data` iterator `fit` would pass.
+
+    Returns:
+        The `ConcreteFunction` of the nearest `tf.function` that
+        `model.train_function` calls: its `graph` is what `fit` runs per call.
+    """
+    functions = _tf_functions(model.train_function)
+    if not functions:
+        raise ValueError(
+            "`model.train_function` calls no `tf.function` (is the model compiled "
+            f"with run_eagerly=True?). Received: run_eagerly={model.run_eagerly}"
+        )
+    return functions[0].get_concrete_function(iterator)
+
+
+def _compiled(node, library):
+    """Whether `node` calls a function that XLA compiles (`tf.function(jit_compile=True)`)."""
+    if node.op not in _CALL_OPS:
+        return False
+    body = library.get(node.attr["f"].func.name)
+    return any(
+        "_XlaMustCompile" in attrs and attrs["_XlaMustCompile"].b
+        for attrs in (node.attr, body.attr if body is not None else {})
     )
+
+
+def _host_graphs(function):
+    """`(library, [(function name, nodes), ...])`: each graph of `function` that runs on the host.
+
+    The function's own graph, then the branches, loop bodies and calls it
+    reaches, but nothing inside a function XLA compiles.
+    """
+    graph_def = function.graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    name = function.name.decode() if isinstance(function.name, bytes) else function.name
+    graphs, queue, seen = [], collections.deque([(name, graph_def.node)]), {name}
+    while queue:
+        name, nodes = queue.popleft()
+        graphs.append((name, nodes))
+        for node in nodes:
+            if _compiled(node, library):
+                continue  # XLA's: its control flow does not run on the host
+            for value in node.attr.values():
+                called = [value.func.name] if value.HasField("func") else [
+                    f.name for f in value.list.func]
+                for callee in called:
+                    if callee in library and callee not in seen:
+                        seen.add(callee)
+                        queue.append((callee, library[callee].node_def))
+    return library, graphs
+
+
+def _compiled_steps(function):
+    """Names of the functions that `function`'s host graphs call compiled by XLA."""
+    library, graphs = _host_graphs(function)
+    return {
+        node.attr["f"].func.name
+        for _, nodes in graphs
+        for node in nodes
+        if _compiled(node, library)
+    }
+
+
+def host_control_flow_on_step(function):
+    """The host-side control flow that an output of a compiled step feeds.
+
+    A GPU runs ahead of the host only while the host needs nothing the GPU
+    has not finished. TensorFlow keeps an `If`'s predicate (a `Case`'s
+    index, a `While`'s condition) in host memory: an `If` outside the
+    compiled step whose predicate is one of the step's outputs makes every
+    call wait for the device to finish the step before it can return.
+
+    ```
+    for each graph the host runs (the function's, and the branches, loop
+        bodies and uncompiled calls it reaches; not XLA's):
+      fed = the call ops whose function has `_XlaMustCompile`
+      fed += ops in _PASS_THROUGH_OPS with an input in fed, until none is added
+      report each op in HOST_CONTROL_FLOW_OPS with an input in fed
+    ```
+
+    Each graph is read on its own: an op inside a branch or loop body is
+    reported where a compiled step in that same graph feeds it (kmp's
+    `While` that redoes a batch, inside the `If` that the step's retry flag
+    feeds, takes the `If`'s inputs, not a step's outputs).
+
+    Args:
+        function: `ConcreteFunction`. A train function's (see
+            `train_function_graph`).
+
+    Returns:
+        A list of `HostControlFlow`, the function's own graph first; empty
+        where no control flow on the host waits on a compiled step.
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=1, verbose=0)    # compiled with jit_compile=True
+    iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    model.train_function(iterator)
+    for op in host_control_flow_on_step(train_function_graph(model, iterator)):
+        print(op.op, op.name, "takes the step's outputs as inputs", op.inputs)
+    ```
+    """
+
+    def source(name):
+        # GraphDef: "op:2" or "op"; FunctionDef: "op:output:2" or an argument.
+        return name.split(":")[0]
+
+    found = []
+    library, graphs = _host_graphs(function)
+    for function_name, nodes in graphs:
+        fed = {node.name for node in nodes if _compiled(node, library)}
+        added = True
+        while added:
+            added = False
+            for node in nodes:
+                if (node.name not in fed and node.op in _PASS_THROUGH_OPS
+                        and any(source(i) in fed for i in node.input if not i.startswith("^"))):
+                    fed.add(node.name)
+                    added = True
+        for node in nodes:
+            if node.op in HOST_CONTROL_FLOW_OPS:
+                # Control inputs ("^op") come after the data inputs.
+                inputs = tuple(
+                    index for index, name in enumerate(node.input)
+                    if not name.startswith("^") and source(name) in fed
+                )
+                if inputs:
+                    found.append(HostControlFlow(function_name, node.op, node.name, inputs))
+    return found
+
+
+def compiled_step_hlo(model, function):
+    """The optimized HLO of the step that the train function `function` compiles.
+
+    Args:
+        model: `keras.Model`. The model whose `train_function` `function` is.
+        function: `ConcreteFunction`. From `train_function_graph(model, ...)`.
+
+    Returns:
+        A string: the optimized HLO module of the `tf.function` that
+        `function` calls with `_XlaMustCompile`, traced as `fit` traced it.
+
+    Raises:
+        ValueError: `function` calls no compiled step, or several.
+    """
+    import tensorflow as tf
+
+    names = _compiled_steps(function)
+    if len(names) != 1:
+        raise ValueError(
+            "The train function must call one XLA-compiled step. "
+            f"Received: compiled steps={sorted(names)}"
+        )
+    for candidate in _tf_functions(model.train_function):
+        # TensorFlow has no public list of a tf.function's traces; the one
+        # the train function calls gives the arguments it was traced with.
+        for concrete in candidate._list_all_concrete_functions():
+            concrete_name = concrete.name
+            if isinstance(concrete_name, bytes):
+                concrete_name = concrete_name.decode()
+            if concrete_name not in names:
+                continue
+            args, kwargs = tf.nest.map_structure(
+                lambda spec: None if spec is None else tf.zeros(spec.shape, spec.dtype),
+                concrete.structured_input_signature,
+            )
+            return candidate.experimental_get_compiler_ir(*args, **kwargs)(
+                stage="optimized_hlo"
+            )
+    raise ValueError(f"No tf.function of `model.train_function` traced {sorted(names)}.")
 
 
 def _buffer_total(workload_name, mode, config_index):
@@ -134,6 +356,14 @@ def _buffer_child(workload_name, mode, config_index):
     model = _build(workload, api, kwargs, True)
     x, y = workload.data(workload.sizes, np.random.default_rng(0))
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+
+
+def _shown(value):
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, list):
+        return " ".join(value) or "none"
+    return str(value)
 
 
 def run(workload_names, mode, jit_compile, buffers=False, log=print):
@@ -177,14 +407,17 @@ def run(workload_names, mode, jit_compile, buffers=False, log=print):
                 "this_over_default": statistics.median(t / b for t, b in zip(times[name], base)),
             }
             if jit_compile:
+                function = train_function_graph(model, runners[name][1])
+                host = host_control_flow_on_step(function)
+                row["host_control_flow"] = len(host)
+                row["host_control_flow_ops"] = [f"{op.op}:{op.name}" for op in host]
                 shapes = [tuple(v.shape) for v in model.trainable_variables]
-                row.update(hlo_counts(step_hlo(model, x, y), shapes))
+                row.update(hlo_counts(compiled_step_hlo(model, function), shapes))
                 if buffers:
                     row["buffer_bytes"] = _buffer_total(workload_name, mode, index)
             rows[name] = row
             log(f"{workload_name:15s} {name:24s} " + ", ".join(
-                f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
-                for key, value in row.items()))
+                f"{key} {_shown(value)}" for key, value in row.items()))
         results[workload_name] = rows
         keras.utils.clear_session()
     return results

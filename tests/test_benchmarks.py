@@ -543,3 +543,55 @@ def test_xla_step_benchmark_reports_its_paired_runs_and_hlo_counts(tmp_path):
     # skip; without scaling there is none.
     assert rows["kmp default"]["conditionals"] == rows["kmp overflow_retries=0"]["conditionals"] == 1
     assert rows["kmp loss_scale=None"]["conditionals"] == 0
+    # The train function's graph: Keras' own and kmp's without retries run the
+    # compiled step and return; kmp's default puts the step's outputs through
+    # one `If` that redoes an overflowing batch (issue 36 removes it: this
+    # line then says 0).
+    assert rows["kmp default"]["host_control_flow"] == 1
+    assert [op.split(":")[0] for op in rows["kmp default"]["host_control_flow_ops"]] == ["If"]
+    for name in ("kmp overflow_retries=0", "kmp loss_scale=None", "keras mixed_float16"):
+        assert rows[name]["host_control_flow"] == 0 and rows[name]["host_control_flow_ops"] == []
+
+
+def test_host_control_flow_on_step_names_what_the_compiled_steps_outputs_feed():
+    import tensorflow as tf
+
+    from benchmarks import xla_step
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        return x > 0.0, x * 2.0
+
+    @tf.function
+    def uncompiled_step(x):
+        return x > 0.0, x * 2.0
+
+    def waits_on_the_step(x):
+        retry, value = step(x)
+        value = tf.identity(value)  # handed on unchanged: still the step's
+        return tf.cond(retry, lambda: value + 1.0, lambda: value)
+
+    def reads_only_the_batch(x):
+        _, value = step(x)
+        return tf.cond(x > 1.0, lambda: x + 1.0, lambda: x - 1.0), value
+
+    def waits_on_an_uncompiled_step(x):
+        retry, value = uncompiled_step(x)
+        return tf.cond(retry, lambda: value + 1.0, lambda: value)
+
+    @tf.function
+    def loop_in_a_called_function(x):
+        _, value = step(x)
+        return tf.while_loop(lambda v: v < 10.0, lambda v: v * 2.0, [value])
+
+    def found(function):
+        concrete = tf.function(function).get_concrete_function(tf.constant(1.0))
+        return xla_step.host_control_flow_on_step(concrete)
+
+    (cond,) = found(waits_on_the_step)
+    assert cond.op in ("If", "StatelessIf") and cond.inputs == (0, 1)  # predicate, value
+    assert "waits_on_the_step" in cond.function
+    assert found(reads_only_the_batch) == []
+    assert found(waits_on_an_uncompiled_step) == []  # no XLA step: nothing to wait for
+    (loop,) = found(lambda x: loop_in_a_called_function(x))
+    assert loop.op in ("While", "StatelessWhile") and "loop_in_a_called_function" in loop.function

@@ -177,7 +177,9 @@ class CountsCalls(keras.layers.Layer):
     training: a side effect a retry would run again."""
 
     def build(self, input_shape):
-        self.calls = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+        # int64, as Keras' own `iterations`: TensorFlow keeps an int32
+        # variable in host memory on a GPU, where no XLA step can write it.
+        self.calls = self.add_weight(shape=(), dtype="int64", initializer="zeros",
                                      trainable=False, name="calls")
 
     def call(self, x, training=False):

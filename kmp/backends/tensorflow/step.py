@@ -94,7 +94,7 @@ class DeferredApply:
     def apply_if(self, finite, grads, scale):
         """Applies `grads` (carrying `scale`) where `finite`: unscaled,
         clipped and applied by the inner optimizer, as `_step` applies, with
-        the skip a select (`apply_or_keep`): it runs under XLA only."""
+        the skip a select (`_apply_or_keep`): it runs under XLA only."""
         self._apply(list(grads), scale, finite)
 
 
@@ -222,7 +222,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         answer["deferred"] = DeferredApply(
             list(grads), scale,
             lambda grads, scale, finite: replicas.run(
-                lambda grads, variables: apply_or_keep(
+                lambda grads, variables: _apply_or_keep(
                     finite, lambda: apply_unscaled(grads, variables, scale), inner, variables
                 ),
                 grads, variables,
@@ -232,8 +232,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         return decision.finite, decision.retry
 
     if not window and replicas is replicas_module.IN_REPLICA and _keras_internals.in_xla_context():
-        # Under XLA a select, not a conditional (see `apply_or_keep`).
-        apply_or_keep(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables)
+        # Under XLA a select, not a conditional (see `_apply_or_keep`).
+        _apply_or_keep(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables)
         _scaling_step.assign_state(optimizer, decision)
         return decision.finite, decision.retry
 
@@ -269,7 +269,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
     return decision.finite, decision.retry
 
 
-def apply_or_keep(finite, apply, inner, variables):
+def _apply_or_keep(finite, apply, inner, variables):
     """Runs `apply()` (the inner optimizer's update of `variables`), then
     keeps each value it wrote only where `finite`: the skip as a select.
 

@@ -33,6 +33,7 @@ import re
 import statistics
 import sys
 import tempfile
+import types
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -122,9 +123,12 @@ Attributes:
 def _tf_functions(function):
     """The `tf.function`s that `function` reaches through its closures, nearest first.
 
-    Keras' `model.train_function` and kmp's are Python functions around the
-    `tf.function` that takes the iterator, which calls the compiled step.
+    Keras' `model.train_function` is a Python function around the
+    `tf.function` that takes the iterator, which calls the compiled step;
+    kmp's is an object holding such functions (a model it holds is not
+    followed).
     """
+    import keras
     import tensorflow as tf
 
     found, seen, queue = [], set(), collections.deque([function])
@@ -136,13 +140,16 @@ def _tf_functions(function):
         if isinstance(current, tf.types.experimental.PolymorphicFunction):
             found.append(current)
             current = current.python_function
+        values = []
         for cell in getattr(current, "__closure__", None) or ():
             try:
-                value = cell.cell_contents
+                values.append(cell.cell_contents)
             except ValueError:  # a cell not filled yet
                 continue
-            if callable(value) and not isinstance(value, type):
-                queue.append(value)
+        if not isinstance(current, (types.FunctionType, types.MethodType, keras.layers.Layer)):
+            values += list(getattr(current, "__dict__", {}).values())
+        queue.extend(value for value in values if callable(value)
+                     and not isinstance(value, (type, keras.layers.Layer)))
     return found
 
 

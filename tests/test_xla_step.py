@@ -265,53 +265,6 @@ def test_a_train_step_the_user_compiles_retries_an_embedding_as_without_xla():
         np.testing.assert_allclose(xla_weight, graph_weight, rtol=2e-3, atol=1e-5)
 
 
-_CONTROL_FLOW = {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"}
-
-
-def host_control_flow_on_step(graph):
-    """The control-flow ops of `graph` (a train function's) that an output
-    of an XLA-compiled call op feeds, directly or through other ops: the
-    host must wait for that call's result before it can take them.
-
-    Returns:
-        List of `(control_flow_op_name, compiled_call_op_name)`.
-    """
-    found = []
-    for op in graph.get_operations():
-        try:
-            compiled = op.get_attr("_XlaMustCompile")
-        except ValueError:
-            continue
-        if not compiled:
-            continue
-        seen, stack = set(), [consumer for out in op.outputs for consumer in out.consumers()]
-        while stack:
-            consumer = stack.pop()
-            if consumer.name in seen:
-                continue
-            seen.add(consumer.name)
-            if consumer.type in _CONTROL_FLOW:
-                found.append((consumer.name, op.name))
-            stack += [c for out in consumer.outputs for c in out.consumers()]
-    return found
-
-
-def test_the_graph_check_finds_a_host_side_branch_on_a_compiled_result():
-    """What the check below relies on: a `tf.cond` on a compiled function's
-    output is found, and a graph without one gives nothing."""
-    compiled = tf.function(lambda x: x * 2.0, jit_compile=True)
-
-    def branching(x):
-        y = compiled(x)
-        return tf.cond(y > 0.0, lambda: y, lambda: -y)
-
-    spec = tf.TensorSpec((), tf.float32)
-    graph = tf.function(branching).get_concrete_function(spec).graph
-    assert [name for name, _ in host_control_flow_on_step(graph)] == ["cond"]
-    straight = tf.function(lambda x: compiled(x) + 1.0).get_concrete_function(spec).graph
-    assert host_control_flow_on_step(straight) == []
-
-
 def _retrying_model(**compile_kwargs):
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((4,))
@@ -324,19 +277,18 @@ def test_fits_train_function_under_xla_has_no_host_wait_on_the_step():
     """With the defaults (retries on, one step per call), nothing in fit's
     train function under XLA is fed by the compiled step's outputs: the
     host launches the next step without waiting for this one. With several
-    steps per call the redo stays at once, an `If` on each step's flag."""
-    from kmp.backends.tensorflow import distribute
+    steps per call the redo stays at once, an `If` on each step's flag
+    (`benchmarks.xla_step.host_control_flow_on_step` reads both)."""
+    from benchmarks import xla_step
 
     x, y = np.full((16, 4), 0.1, "float32"), np.zeros((16, 1), "float32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-    model = _retrying_model()
-    model.fit(dataset, epochs=1, verbose=0)
-    function = model.train_function._function._direct  # fit's, for a tf.data iterator
-    assert isinstance(function, distribute.RedoLater)
-    graph = function._launch.get_concrete_function(iter(dataset)).graph
-    calls = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
-    assert [op.get_attr("_XlaMustCompile") for op in calls] == [True]
-    assert host_control_flow_on_step(graph) == []
+    for steps, expected in ((1, []), (2, ["If"])):
+        model = _retrying_model(steps_per_execution=steps)
+        model.fit(dataset, epochs=1, verbose=0)
+        graph = xla_step.train_function_graph(model, iter(dataset))
+        found = xla_step.host_control_flow_on_step(graph)
+        assert sorted({flow.op for flow in found}) == expected, found
 
 
 def _overflowing_fit(bad_batch, batches=6):

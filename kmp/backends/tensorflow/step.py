@@ -62,13 +62,12 @@ def apply(optimizer, grads, variables, *, divide, loss, request):
     """
     retries_left = request.retries_left if request else None
     defer = bool(request and request.defer)
-    answer = {}
-    finite, retry = replicas_module.run_step(
+    finite, retry, deferred = replicas_module.run_step(
         lambda replicas, *args: _step(optimizer, replicas, *args, divide=divide,
-                                      retries_left=retries_left, defer=defer, answer=answer),
+                                      retries_left=retries_left, defer=defer),
         grads, variables, loss,
     )
-    return _handoff.StepAnswer(finite, retry, loss, answer.get("deferred"))
+    return _handoff.StepAnswer(finite, retry, loss, deferred)
 
 
 class DeferredApply:
@@ -98,7 +97,7 @@ class DeferredApply:
         self._apply(list(grads), scale, finite)
 
 
-def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, defer, answer):
+def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, defer):
     """One step (or one micro-batch of an accumulated step).
 
     ```
@@ -143,12 +142,11 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             the unscaled loss (`None` when unknown).
         divide: Bool. Whether the gradients are scaled and must be divided.
         retries_left: Int tensor, or `None`: the retries this batch has left.
-        defer: Bool. Leave the apply to the caller (`DeferredApply`, put in
-            `answer["deferred"]`).
-        answer: Dict that receives the `DeferredApply`.
+        defer: Bool. Leave the apply to the caller (a `DeferredApply`).
 
     Returns:
-        `(finite, retry)`: boolean tensors; `retry` is `None` without retries.
+        `(finite, retry, deferred)`: boolean tensors (`retry` is `None`
+        without retries), and the `DeferredApply` where `defer`, else `None`.
     """
     inner = optimizer.inner_optimizer
     window = _scaling_step.accumulation_steps(optimizer)
@@ -219,7 +217,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         # The train step applies once, after its retry loop (see
         # `DeferredApply`): the scale these gradients carry is kept for it.
         scale = snapshot(optimizer._kmp_scale.value)
-        answer["deferred"] = DeferredApply(
+        deferred = DeferredApply(
             list(grads), scale,
             lambda grads, scale, finite: replicas.run(
                 lambda grads, variables: _apply_or_keep(
@@ -229,13 +227,13 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             ),
         )
         _scaling_step.assign_state(optimizer, decision)
-        return decision.finite, decision.retry
+        return decision.finite, decision.retry, deferred
 
     if not window and replicas is replicas_module.IN_REPLICA and _keras_internals.in_xla_context():
         # Under XLA a select, not a conditional (see `_apply_or_keep`).
         _apply_or_keep(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables)
         _scaling_step.assign_state(optimizer, decision)
-        return decision.finite, decision.retry
+        return decision.finite, decision.retry, None
 
     def skip():
         if window:  # only reached on a window's last micro-batch: back to its start
@@ -245,7 +243,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
     ops.cond(decision.finite, lambda: replicas.run(apply_unscaled, grads, variables), skip)
     if not window:
         _scaling_step.assign_state(optimizer, decision)
-        return decision.finite, decision.retry
+        return decision.finite, decision.retry, None
     discard = ops.logical_not(decision.finite)
     # A discarded window, and a micro-batch with an overflow (now or earlier)
     # mid-window (the window is lost anyway): no inf or NaN stays in the
@@ -266,7 +264,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
 
     ops.cond(boundary, end_window, lambda: None)
-    return decision.finite, decision.retry
+    return decision.finite, decision.retry, None
 
 
 def _apply_or_keep(finite, apply, inner, variables):

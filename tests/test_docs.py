@@ -226,3 +226,54 @@ def test_every_guide_is_linked_from_the_readme():
     ]
     assert not unlinked, f"guides the README does not link: {unlinked}"
 
+
+
+# Each third-party module the examples and guides import, and the
+# distribution that installs it.
+_DISTRIBUTIONS = {
+    "sklearn": "scikit-learn",
+    "keras_hub": "keras-hub",
+    "matplotlib": "matplotlib",
+    "tensorflow": "tensorflow",
+    "jax": "jax",
+}
+
+
+def _imported_modules(code):
+    modules = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules.add(node.module.split(".")[0])
+    return modules
+
+
+def test_the_extras_install_what_the_examples_and_guides_import():
+    # keras-hub was in no extra but `test` (issue 38): a user who cloned the
+    # repository could not run docs/bringing-models.md or examples/bert_policies.py.
+    import tomllib
+
+    project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    installed = {
+        re.split(r"[<>=!\[ ;]", requirement)[0]
+        for name, requirements in extras.items() if name != "test"
+        for requirement in requirements
+    } | {re.split(r"[<>=!\[ ;]", requirement)[0] for requirement in project["dependencies"]}
+    sources = {str(path.relative_to(_ROOT)): path.read_text()
+               for path in sorted((_ROOT / "examples").glob("*.py"))}
+    sources.update({
+        f"{_name(path)}:{line}": code for path in _DOCS for line, _, code, _ in _python_blocks(path)
+    })
+    missing, unknown = [], []
+    for where, code in sources.items():
+        for module in _imported_modules(code):
+            if module in sys.stdlib_module_names or module in ("kmp", "benchmarks", "keras", "numpy"):
+                continue
+            if module not in _DISTRIBUTIONS:
+                unknown.append(f"{where}: {module}")
+            elif _DISTRIBUTIONS[module] not in installed:
+                missing.append(f"{where}: {module} ({_DISTRIBUTIONS[module]})")
+    assert not unknown, f"add these modules' distributions to _DISTRIBUTIONS: {unknown}"
+    assert not missing, f"imported by examples or guides, installed by no extra: {missing}"

@@ -509,3 +509,20 @@ def test_a_keep_float32_name_that_matches_warns_nothing(recwarn):
     model(np.ones((1, 4), "float32"))
     assert not [w for w in recwarn if "keep_float32" in str(w.message)]
     assert isinstance(model.get_layer("head").dtype_policy, _float32_layers._Float32Policy)
+
+
+def test_summary_says_a_float32_output_layer_hands_on_float32():
+    # kmp.summary said "outputs cast back to float16" of a float32 layer whose
+    # outputs are the model's: nothing casts them back (issue 38).
+    kmp.set_policy("mixed_float16", keep_float32=["head", "hidden"])
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    after = keras.layers.Dense(8, name="after")(hidden)
+    model = kmp.Model(inputs, keras.layers.Dense(2, name="head")(after), name="net")
+    rows = {row["layer"]: row for row in kmp.summary(model, print_fn=lambda _: None)}
+    assert rows["head"]["reason"] == "keep_float32: 'head'; outputs float32 (a model output)"
+    assert rows["hidden"]["reason"] == "keep_float32: 'hidden'; outputs cast back to float16"
+    assert keras.backend.standardize_dtype(model(np.ones((1, 4), "float32")).dtype) == "float32"
+    # What the head hands on, before kmp.Model's own cast of its outputs.
+    probe = keras.Model(inputs, model.get_layer("head").output)
+    assert keras.backend.standardize_dtype(probe(np.ones((1, 4), "float32")).dtype) == "float32"

@@ -76,7 +76,8 @@ def tensorflow_not_installed():
     """
     chosen = (
         "KERAS_BACKEND=tensorflow" if os.environ.get("KERAS_BACKEND")
-        else "KERAS_BACKEND is not set, so Keras runs on its default backend, TensorFlow,"
+        else "KERAS_BACKEND is not set, so Keras runs on TensorFlow (its default, or the "
+        "backend keras.json names)"
     )
     install = 'pip install -e ".[tensorflow]" in your clone of kmp'
     if _installed("jax"):

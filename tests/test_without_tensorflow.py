@@ -164,7 +164,8 @@ def test_import_kmp_with_only_jax_and_no_keras_backend_names_keras_backend_jax(t
     assert result["raised"] == "BackendNotInstalled", result
     assert result["message"] == (
         "kmp runs on Keras' TensorFlow or JAX backend. KERAS_BACKEND is not set, so Keras runs "
-        "on its default backend, TensorFlow, and TensorFlow is not installed. JAX is installed: "
+        "on TensorFlow (its default, or the backend keras.json names) and TensorFlow is not "
+        "installed. JAX is installed: "
         "set KERAS_BACKEND=jax before importing kmp (`export KERAS_BACKEND=jax`), or install "
         'TensorFlow: `pip install -e ".[tensorflow]" in your clone of kmp`.'
     )

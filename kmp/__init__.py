@@ -35,7 +35,7 @@ with _command.keep_import_error():
         # Keras on TensorFlow, its default, without TensorFlow (a JAX-only
         # install that forgot KERAS_BACKEND): say what to do, not
         # "No module named 'tensorflow'".
-        if _command.requested_backend() != "tensorflow" or not _command.is_tensorflow_missing(_error):
+        if not _command.is_tensorflow_missing(_error):
             raise
         raise _command.tensorflow_not_installed() from None
 

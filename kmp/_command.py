@@ -97,9 +97,15 @@ def tensorflow_not_installed():
 
 
 def is_tensorflow_missing(error):
-    """Whether `error`, raised by `import keras`, says TensorFlow is not
-    installed (not broken: a broken TensorFlow raises its own error)."""
-    return isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "tensorflow"
+    """Whether `error`, raised by `import keras` for Keras' TensorFlow
+    backend, says TensorFlow is not installed (not broken: a broken
+    TensorFlow raises its own error)."""
+    wanted = requested_backend()
+    return (
+        wanted == "tensorflow"
+        and isinstance(error, ModuleNotFoundError)
+        and (error.name or "").split(".")[0] == "tensorflow"
+    )
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ every policy), converted to each policy, trained the same steps on the same
 batches, and evaluated on held-out sequences.
 
 Run: python examples/bert_policies.py
+Needs keras-hub, which needs TensorFlow: `pip install -e ".[tensorflow,examples,hub]"`.
 """
 
 import os

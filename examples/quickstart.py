@@ -2,6 +2,12 @@
 
     python examples/quickstart.py                      # kmp.set_policy("auto")
     python examples/quickstart.py --policy mixed_float16 --plot loss_scale.png
+    KERAS_BACKEND=jax python examples/quickstart.py    # on JAX
+
+Needs scikit-learn (the `examples` extra: `pip install -e ".[tensorflow,examples]"`,
+or `".[jax,examples]"` on JAX). Runs on TensorFlow (Keras' default backend)
+or JAX; the SavedModel export at the end needs TensorFlow on both, and is
+left out, with a line saying so, where TensorFlow is not installed.
 
 Trains with the Keras progress bar (which shows the loss scale when the policy
 computes in float16) and kmp's LossScaleMonitor (one line per epoch on skipped
@@ -12,16 +18,15 @@ model's to within a few roundings of the compute type.
 """
 
 import argparse
+import importlib.util
 import os
 import tempfile
 import time
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
@@ -100,6 +105,15 @@ def main(argv=None):
     else:
         print(f"no loss scaling: {policy.compute_dtype} does not need it")
 
+    if importlib.util.find_spec("tensorflow") is None:
+        print(
+            "SavedModel not exported: it needs TensorFlow, which is not installed "
+            '(pip install -e ".[tensorflow]" adds it; Keras writes a SavedModel with '
+            "TensorFlow on every backend)"
+        )
+        return accuracy
+    import tensorflow as tf
+
     export_dir = args.export_dir or os.path.join(tempfile.mkdtemp(), "serving")
     model.export(export_dir, verbose=False)
     served = tf.saved_model.load(export_dir).signatures["serving_default"]
@@ -130,15 +144,29 @@ _ROUNDINGS = 8
 def _allowed_difference(compute_dtype, predictions):
     """How far the served and the Keras predictions may be apart: `_ROUNDINGS`
     steps of the compute type at the size of the largest prediction."""
+    import tensorflow as tf
+
     rounding = compute_dtype
     if (
         compute_dtype == "float32"
-        and tf.config.list_physical_devices("GPU")
+        and _has_gpu()
         and tf.config.experimental.tensor_float_32_execution_enabled()
     ):
         rounding = "tensorfloat32"  # Ampere and later: float32 matmuls round to TF32
     scale = float(np.max(np.abs(predictions)))
     return _ROUNDINGS * _STEP[rounding] * scale, rounding
+
+
+
+def _has_gpu():
+    """Whether the backend Keras runs on trains on a GPU."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return any(device.platform == "gpu" for device in jax.devices())
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
 
 
 if __name__ == "__main__":

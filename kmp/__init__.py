@@ -29,7 +29,15 @@ with _command.keep_import_error():
     if "keras" not in _sys.modules and _os.environ.get("KERAS_BACKEND"):
         # Before Keras imports a backend it may not have (torch).
         _check_backend(_os.environ["KERAS_BACKEND"])
-    import keras as _keras
+    try:
+        import keras as _keras
+    except ModuleNotFoundError as _error:
+        # Keras on TensorFlow, its default, without TensorFlow (a JAX-only
+        # install that forgot KERAS_BACKEND): say what to do, not
+        # "No module named 'tensorflow'".
+        if not _command.is_tensorflow_missing(_error):
+            raise
+        raise _command.tensorflow_not_installed() from None
 
     _check_backend(_keras.backend.backend())
 

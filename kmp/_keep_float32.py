@@ -9,10 +9,12 @@ in float32 is decided in `kmp/_float32_layers.py`.
 """
 
 import re
+import warnings
 
 import keras
 
 from kmp import _keras_internals
+from kmp import _user_line
 
 # What a `keep_float32` pattern may be, so that matching it cannot stall (a
 # `.keras` file carries its model's patterns: loading one must not hang on a
@@ -25,6 +27,8 @@ from kmp import _keras_internals
 _LONGEST_PATTERN = 200
 _MOST_REPEATS = 3
 _LONGEST_MATCHED_NAME = 256
+# A warning lists at most this many of a model's layer names.
+_MOST_NAMES_SHOWN = 30
 
 
 def _regex_parser():
@@ -198,20 +202,43 @@ class _Float32Rules:
                 return repr("re:" + pattern.pattern)
         return None
 
+    def unknown_names(self, model):
+        """The exact names no layer of `model` has, and the names it has
+        (sorted)."""
+        layers = list(_keras_internals.nested_layers(model, include_self=False, recursive=True))
+        known = {layer.name for layer in layers} | {_layer_label(layer) for layer in layers}
+        return [name for name in self.names if name not in known], sorted(known)
+
     def check_names(self, model, argument="keep_float32"):
         """Raises `ValueError` for an exact name no layer of `model` has."""
-        layers = list(_keras_internals.nested_layers(model, include_self=False, recursive=True))
-        known = {layer.name for layer in layers} | {
-            _layer_label(layer) for layer in layers
-        }
-        unknown = [name for name in self.names if name not in known]
+        unknown, known = self.unknown_names(model)
         if unknown:
             raise ValueError(
                 f"`{argument}` names layers the model does not have: "
                 f"{', '.join(map(repr, unknown))}. Layer names in "
-                f"{model.name!r}: {', '.join(sorted(known))}. Use a class or "
+                f"{model.name!r}: {', '.join(known)}. Use a class or "
                 "a 're:' pattern to name layers the model may not have."
             )
+
+    def warn_unknown_names(self, model):
+        """Warns, at the user's line, for each exact name no layer of `model`
+        has: the rules of `kmp.set_policy(..., keep_float32=...)`, which
+        every model built under the policy reads, so that a typo ("haed")
+        does not leave its layer in 16 bits without a word."""
+        unknown, known = self.unknown_names(model)
+        if not unknown:
+            return
+        shown = ", ".join(known[:_MOST_NAMES_SHOWN])
+        if len(known) > _MOST_NAMES_SHOWN:
+            shown += f", ... ({len(known)} in all)"
+        warnings.warn(
+            "kmp.set_policy(keep_float32=...) names layers that model "
+            f"{model.name!r} does not have: {', '.join(map(repr, unknown))}; they "
+            f"stay in the policy's dtype. Layer names in {model.name!r}: {shown}. "
+            "Check the spelling, or use a class or a 're:' pattern to name layers "
+            "a model may not have.",
+            stacklevel=_user_line.stacklevel(),
+        )
 
 
 def _layer_label(layer):

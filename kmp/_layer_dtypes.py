@@ -23,6 +23,19 @@ def _float32_reasons(model):
     return plan
 
 
+def _is_model_output(layer, model):
+    """Whether `layer`'s outputs are outputs of `model`, a functional model:
+    `kmp.Model` hands them on in float32, with no cast back (see
+    `kmp._precision._output_leaves_keras`)."""
+    if not isinstance(model, _keras_internals.Functional):
+        return False
+    try:
+        produced = {id(tensor) for tensor in keras.tree.flatten(layer.output)}
+    except (AttributeError, ValueError):  # called more than once, or never
+        return False
+    return any(id(output) in produced for output in keras.tree.flatten(model.outputs))
+
+
 def layer_rows(model):
     """The rows of `kmp.summary(model)`: one dict per layer (see its `Returns:`)."""
     plan = _float32_reasons(model)
@@ -37,7 +50,10 @@ def layer_rows(model):
         if id(layer) in plan:
             role, reason, hands_on = plan[id(layer)]
             if role == "island":
-                reason += f"; outputs cast back to {hands_on}"
+                reason += (
+                    "; outputs float32 (a model output)" if _is_model_output(layer, model)
+                    else f"; outputs cast back to {hands_on}"
+                )
             compute_dtype = "float32"
         elif isinstance(layer, keras.layers.InputLayer):
             compute_dtype = keras.backend.standardize_dtype(layer.output.dtype)

@@ -8,6 +8,7 @@ its likely causes, the reason training was stopped.
 import warnings
 
 from kmp import _keras_internals
+from kmp import _user_line
 from kmp._format import format_scale
 
 # How many overflowing variables a message or CSV row names before "+N more".
@@ -39,8 +40,8 @@ class Pending:
         for line in lines:
             _keras_internals.print_msg(line)
         for message in messages:
-            # Points at the caller of the hook that flushes: Keras' CallbackList.
-            warnings.warn(message, stacklevel=3)
+            # At the user's line (`fit(...)`), not Keras' callback_list.py.
+            warnings.warn(message, stacklevel=_user_line.stacklevel())
 
 
 def plural(count, noun):

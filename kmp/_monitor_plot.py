@@ -1,6 +1,6 @@
 """`LossScaleMonitor`'s plot: the loss scale on a log2 axis, the loss below it.
 
-matplotlib is optional (`pip install kmp[plot]`): without it the monitor
+matplotlib is optional (`pip install -e ".[plot]"`): without it the monitor
 warns how to get it and carries on.
 """
 
@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 
+from kmp import _user_line
 from kmp._ledger import REASON_FORWARD
 
 
@@ -26,9 +27,10 @@ def write_plot(path, history):
         warnings.warn(
             "LossScaleMonitor: plot_path was given but matplotlib is not "
             "installed, so no plot was written. Install it with "
-            "`pip install kmp[plot]` (or `pip install matplotlib`). "
+            "`pip install -e \".[plot]\"` in your clone of kmp (or `pip install "
+            "matplotlib`). "
             f"Received: plot_path={path!r}",
-            stacklevel=3,
+            stacklevel=_user_line.stacklevel(),
         )
         return
     steps = np.asarray(history["step"], dtype=np.float64)

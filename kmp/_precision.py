@@ -44,6 +44,8 @@ def settle(model, rules=None):
             `keep_float32` (kmp's list and the global ones are added).
     """
     with _SETTLING:
+        if policy_module._global_keep_float32:
+            policy_module._global_keep_float32.warn_unknown_names(model)
         plan = policy_module._float32_plan(model, rules)
         parents = _parents(model)
         for layer, role, reason, hands_on in plan:

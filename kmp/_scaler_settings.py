@@ -19,6 +19,9 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT64_MAX = _gradients.COUNTER_MAX  # int64, or int32 on JAX
 
 DEFAULT_GROWTH_INTERVAL = 2000
+# kmp.LossScaleOptimizer's default bounds of a dynamic scale.
+DEFAULT_MIN_SCALE = 1.0
+DEFAULT_MAX_SCALE = 2.0**24
 
 # Base-optimizer settings in the configs of Keras' LossScaleOptimizer before
 # 3.4, at the values it wrote (see `LossScaleOptimizer.from_config`).
@@ -184,6 +187,44 @@ def clipping_accessors(name):
         _set_clipping(inner, name, value)
 
     return get, set_
+
+
+def from_keras_scaler(scaler):
+    """The arguments of a `kmp.LossScaleOptimizer` that keeps the settings
+    of `scaler`, a `keras.optimizers.LossScaleOptimizer`.
+
+    Keras' scaler takes `initial_scale` and `dynamic_growth_steps`, and bounds
+    its scale by neither a minimum nor a maximum: where its initial scale lies
+    outside kmp's default bounds (`DEFAULT_MIN_SCALE`, `DEFAULT_MAX_SCALE`),
+    the bound moves to it, so every scale Keras accepts is taken over (one
+    beyond float32's range is refused, as Keras would hold it as inf or 0).
+
+    Args:
+        scaler: A `keras.optimizers.LossScaleOptimizer`.
+
+    Returns:
+        A dict with `initial_scale`, `growth_interval`, `min_scale` and
+        `max_scale`.
+
+    Example:
+
+    ```python
+    keras_scaler = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=2**40)
+    from_keras_scaler(keras_scaler)
+    # {'initial_scale': 1099511627776.0, 'growth_interval': 2000,
+    #  'min_scale': 1.0, 'max_scale': 1099511627776.0}
+    ```
+    """
+    initial_scale = scaler.initial_scale
+    _check_scale("initial_scale", initial_scale)
+    initial_scale = float(initial_scale)
+    return dict(
+        initial_scale=initial_scale,
+        growth_interval=scaler.dynamic_growth_steps,
+        min_scale=min(DEFAULT_MIN_SCALE, initial_scale),
+        max_scale=max(DEFAULT_MAX_SCALE, initial_scale),
+    )
 
 
 def resolve_growth_interval(growth_interval, dynamic_growth_steps):

@@ -174,7 +174,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             that crashes keeps its completed epochs. Defaults to `None`.
         plot_path: Optional path. Where to write, at the end of training, a
             PNG with the loss scale on a log2 axis (skipped steps marked) and
-            the loss below it. Needs matplotlib (`pip install kmp[plot]`);
+            the loss below it. Needs matplotlib (`pip install -e ".[plot]"`);
             without it the monitor warns how to get it and carries on.
             Defaults to `None`.
         verbose: Int. 0 is silent (warnings still show); 1 prints one line

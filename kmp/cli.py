@@ -39,12 +39,13 @@ _MISSING_BACKEND = {
     "tensorflow": (
         "TensorFlow is missing or broken: importing kmp failed with {error}. "
         "kmp needs TensorFlow >= 2.19 and Keras 3 on its TensorFlow backend: "
-        "`pip install tensorflow` and KERAS_BACKEND=tensorflow (or unset)."
+        '`pip install -e ".[tensorflow]"` in your clone of kmp, and '
+        "KERAS_BACKEND=tensorflow (or unset)."
     ),
     "jax": (
         "JAX is missing or broken: importing kmp failed with {error}. kmp on "
-        "JAX needs JAX and Keras 3 on its JAX backend: `pip install jax` and "
-        "KERAS_BACKEND=jax."
+        "JAX needs JAX and Keras 3 on its JAX backend: "
+        '`pip install -e ".[jax]"` in your clone of kmp, and KERAS_BACKEND=jax.'
     ),
 }
 
@@ -129,7 +130,11 @@ def _doctor(args):
 
     if _command.import_error is not None:
         error = _command.import_error
-        backend = _requested_backend()
+        if isinstance(error, _command.BackendNotInstalled):
+            # kmp's own error says what to do (KERAS_BACKEND=jax where JAX is
+            # installed, the extra that installs TensorFlow).
+            return _fail(args, EXIT_NO_BACKEND, str(error))
+        backend = _command.requested_backend()
         message = _MISSING_BACKEND.get(backend, _MISSING_BACKEND["tensorflow"])
         return _fail(
             args, EXIT_NO_BACKEND,
@@ -165,21 +170,6 @@ def _doctor(args):
     else:
         print(_format(report, doctor))
     return EXIT_OK
-
-
-def _requested_backend():
-    """The Keras backend this process asked for, read as Keras reads it
-    (`KERAS_BACKEND`, then `keras.json`) without importing Keras."""
-    if os.environ.get("KERAS_BACKEND"):
-        return os.environ["KERAS_BACKEND"]
-    keras_home = os.environ.get("KERAS_HOME") or os.path.join(
-        os.path.expanduser("~"), ".keras"
-    )
-    try:
-        with open(os.path.join(keras_home, "keras.json")) as config:
-            return json.load(config).get("backend", "tensorflow")
-    except (OSError, ValueError, AttributeError):
-        return "tensorflow"
 
 
 def _fail(args, code, message, report=None):

@@ -496,13 +496,23 @@ def _converted(model, source, target):
         reason = " ".join(f"{type(error).__name__}: {error}".split())
         if len(reason) > 300:  # Keras' messages can hold a whole config
             reason = reason[:300] + " ..."
+        # A layer has one policy, and Keras cannot copy a model without a
+        # config (copy.deepcopy goes through get_config too): the wrapper
+        # must share the original's layers, so the warning says what that
+        # changes in the original.
+        unscaled = (
+            " (trained directly, outside the result, it would compute in "
+            "float16 without loss scaling: compile and fit the result)"
+            if policy_module.Policy(target).compute_dtype == "float16"
+            else ""
+        )
         warnings.warn(
             f"kmp.convert could not rebuild {model.name!r} faithfully from "
             f"its config ({reason}); "
             "the result wraps it and shares its weights and layers, so "
             "training the result trains the original, and the original's "
-            f"layers compute under {target} from now on. For a copy instead, "
-            "give each custom "
+            f"layers compute under {target} from now on{unscaled}. For a copy "
+            "instead, give each custom "
             "layer and model a get_config() that describes it fully and "
             "register its class (@keras.saving.register_keras_serializable()).",
             stacklevel=3,

@@ -234,7 +234,7 @@ def _check_tensorflow_installed():
     if not found:
         raise ImportError(
             'Exporting a SavedModel (format="tf_saved_model", the default) needs '
-            'TensorFlow: pip install tensorflow (or pip install "kmp[tensorflow]"). '
+            'TensorFlow: pip install -e ".[tensorflow]" in your clone of kmp. '
             "It is not installed here, and Keras writes a SavedModel's graph with "
             "TensorFlow on every backend (this process runs "
             f"KERAS_BACKEND={keras.backend.backend()!r}). Received: "

@@ -134,8 +134,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def __init__(self, inner_optimizer, *, initial_scale=2.0**15, dynamic=True,
                  growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=settings.DEFAULT_GROWTH_INTERVAL, hysteresis=1, min_scale=1.0,
-                 max_scale=2.0**24, clipnorm=None, global_clipnorm=None, clipvalue=None,
+                 growth_interval=settings.DEFAULT_GROWTH_INTERVAL, hysteresis=1,
+                 min_scale=settings.DEFAULT_MIN_SCALE, max_scale=settings.DEFAULT_MAX_SCALE,
+                 clipnorm=None, global_clipnorm=None, clipvalue=None,
                  enabled=True, name=None, dynamic_growth_steps=None, **kwargs):
         settings.check_base_arguments(kwargs)
         growth_interval = settings.resolve_growth_interval(growth_interval, dynamic_growth_steps)

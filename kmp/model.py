@@ -9,6 +9,7 @@ import numpy as np
 from kmp import _keras_internals
 from kmp import _model_step
 from kmp import _precision
+from kmp import _scaler_settings
 from kmp import backends
 from kmp import export as export_module
 from kmp import loss_scale as loss_scale_module
@@ -36,9 +37,7 @@ def _loss_scale_optimizer(optimizer, loss_scale, model):
         if loss_scale is None:
             return inner
         return loss_scale_module.LossScaleOptimizer(
-            inner,
-            initial_scale=optimizer.initial_scale,
-            growth_interval=optimizer.dynamic_growth_steps,
+            inner, **_scaler_settings.from_keras_scaler(optimizer)
         )
     if loss_scale == "auto":
         loss_scale = "dynamic" if _computes_in_float16(model) else None

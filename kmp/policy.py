@@ -150,8 +150,9 @@ def set_policy(name, keep_float32=None):
     layer computes in float32 and hands the compute dtype on, so code around
     it sees no dtype change. It is read when a model settles its precision
     (its first call, or `kmp.convert`): a model called before keeps what it
-    settled. Names can only be checked against a model: `kmp.convert` raises
-    for a name no layer of its model has.
+    settled. Names can only be checked against a model: a `kmp.Model` warns
+    when it settles, for each name none of its layers has (the layer meant
+    stays in 16 bits), and `kmp.convert` raises for it.
 
     Args:
         name: String or `kmp.Policy`. One of `"float32"`, `"mixed_float16"`,

@@ -354,7 +354,7 @@ def test_throughput_and_ratios_come_from_the_measured_times(monkeypatch):
 
 
 def test_chart_is_a_png_of_the_expected_size(smoke_run):
-    pytest.importorskip("matplotlib", reason="the chart is the optional `kmp[plot]` extra")
+    pytest.importorskip("matplotlib", reason="the chart needs matplotlib, the optional `plot` extra")
     from PIL import Image
 
     path = smoke_run / "ratios.png"

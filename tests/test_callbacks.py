@@ -122,6 +122,9 @@ def test_counts_reasons_csv_plot_and_epoch_line(tmp_path, capsys):
     assert "25.0%" in warning and "gate/trouble" in warning
     assert "2 backward overflows" in warning and "1 forward overflow " in warning
     assert "learning rate" in warning and "inf/NaN" in warning
+    # At the user's line (here `_fit`'s, in this file), not in Keras'
+    # callback_list.py, which called the hook (issue 38).
+    assert {w.filename for w in record if "LossScaleMonitor" in str(w.message)} == {__file__}
 
     from PIL import Image
 
@@ -263,9 +266,12 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     plot_path = tmp_path / "scale.png"
     monitor = kmp.callbacks.LossScaleMonitor(plot_path=plot_path, verbose=0)
-    with pytest.warns(UserWarning, match=r"pip install kmp\[plot\]"):
+    with pytest.warns(UserWarning, match=r'pip install -e "\.\[plot\]"') as record:
         _fit(_model(), _data(2), callbacks=[monitor])
     assert not plot_path.exists()
+    # At the user's line, not in Keras' callback_list.py (issue 38).
+    (warning,) = [w for w in record if "matplotlib" in str(w.message)]
+    assert warning.filename == __file__
 
 
 def test_tensorboard_and_csv_logger_get_loss_scale(tmp_path):

@@ -1,5 +1,6 @@
 """kmp.convert, keep_float32 and kmp.summary."""
 
+import pathlib
 import warnings
 
 import keras
@@ -128,6 +129,46 @@ class WithoutConfig(keras.Model):
     def call(self, x):
         return self.recorder(self.inner(x))
 
+
+
+class TwoDenseWithoutConfig(keras.Model):
+    """The model of issue 38: subclassed, two Dense layers, no get_config."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = keras.layers.Dense(8, activation="relu")
+        self.second = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
+def test_wrapping_a_model_without_a_config_says_what_it_changes_in_the_original():
+    # Keras cannot copy it (copy.deepcopy goes through get_config too), so
+    # the wrapper shares its layers: the warning and the guide say that the
+    # original computes under the policy from then on, and without loss
+    # scaling if trained directly (issue 38: the guide said "never changed").
+    model = TwoDenseWithoutConfig()
+    x, _ = _data()
+    model(x)
+    with pytest.warns(UserWarning) as record:
+        converted = kmp.convert(model, "mixed_float16")
+    (message,) = [str(w.message) for w in record if "kmp.convert" in str(w.message)]
+    assert "the original's layers compute under mixed_float16 from now on" in message
+    assert "float16 without loss scaling: compile and fit the result" in message
+    assert record[0].filename == __file__
+    assert converted.wrapped is model
+    assert [layer.compute_dtype for layer in model.layers] == ["float16", "float16"]
+    guide = (pathlib.Path(__file__).parents[1] / "docs" / "bringing-models.md").read_text()
+    assert "never changed" not in guide
+    assert "the original computes under the policy too" in " ".join(guide.split())
+
+
+def test_wrapping_under_bfloat16_does_not_speak_of_loss_scaling():
+    model = TwoDenseWithoutConfig()
+    model(_data()[0])
+    with pytest.warns(UserWarning, match="compute under mixed_bfloat16 from now on. For a copy"):
+        kmp.convert(model, "mixed_bfloat16")
 
 def test_subclassed_model_with_a_config_is_copied():
     model = WithConfig()

@@ -1,14 +1,24 @@
 """The documentation is tested: every ```python block of README.md and
-docs/*.md runs, and every relative link resolves.
+docs/*.md runs, what it prints is what the guide shows, and every relative
+link resolves.
 
 A file's blocks run in order in one namespace (a guide builds on its earlier
 blocks), in a fresh Python process started in an empty temporary directory, on
 the CPU. `<!-- no-run: why -->` on the line just before a block leaves it out;
 the reason is required (a GPU, several workers, a network). A file with
 `<!-- backend: jax -->` runs with `KERAS_BACKEND=jax` (docs/jax.md).
+
+`<!-- printed -->` on the line just before a block makes it a transcript: what
+the nearest python block above it printed, compared line by line. `...` stands
+for what varies from run to run or machine to machine: on a line of its own,
+for any number of lines; inside a line, for any text. `<!-- printed: numbers
+within 5% -->` lets each number differ by that much (a loss computed with
+another CPU's kernels). A plain (unlabelled) block right after a python block
+is a transcript unless `<!-- not printed: why -->` says what it is instead.
 """
 
 import ast
+import functools
 import json
 import pathlib
 import re
@@ -25,6 +35,9 @@ _DOCS = sorted([_ROOT / "README.md", *(_ROOT / "docs").glob("*.md")])
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _NO_RUN = re.compile(r"^<!--\s*no-run(?::\s*(?P<why>.*?))?\s*-->\s*$")
 _BACKEND = re.compile(r"^<!--\s*backend:\s*(?P<backend>\w+)\s*-->\s*$", re.MULTILINE)
+_PRINTED = re.compile(r"^<!--\s*printed(?::\s*numbers within (?P<band>\d+(?:\.\d+)?)%)?\s*-->\s*$")
+_NOT_PRINTED = re.compile(r"^<!--\s*not printed:\s*(?P<why>.+?)\s*-->\s*$")
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?"
 
 
 def _blocks(path):
@@ -49,6 +62,70 @@ def _blocks(path):
 
 def _python_blocks(path):
     return [block for block in _blocks(path) if block[1] == "python"]
+
+
+def _marker(path, line):
+    """The line just before the block that starts at `line` (1-based)."""
+    lines = path.read_text().splitlines()
+    return lines[line - 2].strip() if line >= 2 else ""
+
+
+def _transcripts(path):
+    """Yields (python block's line, transcript's line, transcript, band) for
+    each `<!-- printed -->` block: `band` is the relative difference allowed
+    between numbers (`None`: exact)."""
+    last_python = None
+    for line, language, code, why in _blocks(path):
+        if language == "python":
+            last_python = line if why is None else None
+            continue
+        printed = _PRINTED.match(_marker(path, line))
+        if printed:
+            band = printed.group("band")
+            yield last_python, line, code, None if band is None else float(band) / 100
+
+
+def _line_matches(expected, actual, band):
+    """Whether one printed line is the transcript's `expected` line."""
+    pieces = expected.split("...")
+    if band is None:
+        return re.fullmatch(".*".join(map(re.escape, pieces)), actual, re.S) is not None
+    numbers, pattern_pieces = [], []
+    for piece in pieces:
+        parts = re.split(f"({_NUMBER})", piece)
+        pattern = ""
+        for index, part in enumerate(parts):
+            if index % 2:
+                numbers.append(float(part))
+                pattern += f"({_NUMBER})"
+            else:
+                pattern += re.escape(part)
+        pattern_pieces.append(pattern)
+    match = re.fullmatch(".*?".join(pattern_pieces), actual, re.S)
+    if match is None:
+        return False
+    return all(
+        abs(float(got) - want) <= band * abs(want)
+        for got, want in zip(match.groups(), numbers)
+    )
+
+
+def _transcript_matches(transcript, printed, band=None):
+    """Whether `printed` (lines) is `transcript` (lines), `...` lines
+    standing for any number of lines."""
+    @functools.cache
+    def match(i, j):
+        if i == len(transcript):
+            return j == len(printed)
+        if transcript[i].strip() == "...":
+            return match(i + 1, j) or (j < len(printed) and match(i, j + 1))
+        return (
+            j < len(printed)
+            and _line_matches(transcript[i], printed[j], band)
+            and match(i + 1, j + 1)
+        )
+
+    return match(0, 0)
 
 
 def _name(path):
@@ -96,6 +173,21 @@ def test_every_python_block_runs(path, tmp_path):
         + result.stdout[-3000:] + result.stderr[-5000:]
     )
     assert result.stdout.count("--- ran ") == len(blocks)
+    # What each block printed: the lines before its "--- ran" line.
+    printed, lines = {}, []
+    for line in result.stdout.splitlines():
+        ran = re.fullmatch(r"--- ran .*:(\d+)", line)
+        if ran:
+            printed[int(ran.group(1))], lines = lines, []
+        else:
+            lines.append(line)
+    wrong = [
+        f"{_name(path)}:{transcript_line} shows\n{transcript}\nbut the block at line "
+        f"{python_line} printed\n" + "\n".join(printed[python_line])
+        for python_line, transcript_line, transcript, band in _transcripts(path)
+        if not _transcript_matches(tuple(transcript.splitlines()), tuple(printed[python_line]), band)
+    ]
+    assert not wrong, "\n\n".join(wrong)
 
 
 def test_every_no_run_says_why():
@@ -106,6 +198,47 @@ def test_every_no_run_says_why():
         if why == ""
     ]
     assert not missing, f"<!-- no-run --> without a reason (write <!-- no-run: why -->): {missing}"
+
+
+def test_every_transcript_is_checked_or_says_what_it_is():
+    # docs/monitoring.md showed "skipped_steps: 0" under a block that prints
+    # 8 and 10, and nothing compared them (issue 38).
+    unmarked, orphans = [], []
+    for path in _DOCS:
+        blocks = list(_blocks(path))
+        for before, block in zip(blocks, blocks[1:]):
+            marker = _marker(path, block[0])
+            if (
+                before[1] == "python" and before[3] is None and block[1] == ""
+                and not _PRINTED.match(marker) and not _NOT_PRINTED.match(marker)
+            ):
+                unmarked.append(f"{_name(path)}:{block[0]}")
+        orphans += [
+            f"{_name(path)}:{line}" for python_line, line, _, _ in _transcripts(path)
+            if python_line is None
+        ]
+    assert not unmarked, (
+        "plain blocks right after a python block that runs, neither <!-- printed --> nor "
+        f"<!-- not printed: why -->: {unmarked}"
+    )
+    assert not orphans, f"<!-- printed --> blocks with no python block that runs above: {orphans}"
+    assert any(True for path in _DOCS for _ in _transcripts(path))
+
+
+def test_a_transcript_matches_what_was_printed_and_nothing_else():
+    printed = ("Epoch 1/2", "8/8 - 1s - 91ms/step - loss: 8.0409 - skipped_steps: 8", "[8.0]")
+    assert _transcript_matches(("Epoch 1/2", "8/8 - ... - loss: ... - skipped_steps: 8", "[8.0]"),
+                               printed)
+    assert _transcript_matches(("...", "[8.0]"), printed)
+    assert _transcript_matches(("Epoch 1/2", "...", "[8.0]"), printed)
+    assert not _transcript_matches(("Epoch 1/2", "8/8 - ... - skipped_steps: 0", "[8.0]"), printed)
+    assert _transcript_matches(("Epoch 1/2", "..."), printed[:1])  # "..." may be no line
+    assert not _transcript_matches(("Epoch 1/2",), printed)  # a line the guide leaves out
+    within = ("Epoch 1/2", "8/8 - ... - loss: 8.1 - skipped_steps: 8", "[8.0]")
+    assert _transcript_matches(within, printed, band=0.05)
+    assert not _transcript_matches(within, printed)
+    assert not _transcript_matches(("Epoch 1/2", "8/8 - ... - loss: 8.1 - skipped_steps: 9", "[8.0]"),
+                                   printed, band=0.05)
 
 
 def test_no_run_is_the_exception():
@@ -226,3 +359,54 @@ def test_every_guide_is_linked_from_the_readme():
     ]
     assert not unlinked, f"guides the README does not link: {unlinked}"
 
+
+
+# Each third-party module the examples and guides import, and the
+# distribution that installs it.
+_DISTRIBUTIONS = {
+    "sklearn": "scikit-learn",
+    "keras_hub": "keras-hub",
+    "matplotlib": "matplotlib",
+    "tensorflow": "tensorflow",
+    "jax": "jax",
+}
+
+
+def _imported_modules(code):
+    modules = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules.add(node.module.split(".")[0])
+    return modules
+
+
+def test_the_extras_install_what_the_examples_and_guides_import():
+    # keras-hub was in no extra but `test` (issue 38): a user who cloned the
+    # repository could not run docs/bringing-models.md or examples/bert_policies.py.
+    import tomllib
+
+    project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    installed = {
+        re.split(r"[<>=!\[ ;]", requirement)[0]
+        for name, requirements in extras.items() if name != "test"
+        for requirement in requirements
+    } | {re.split(r"[<>=!\[ ;]", requirement)[0] for requirement in project["dependencies"]}
+    sources = {str(path.relative_to(_ROOT)): path.read_text()
+               for path in sorted((_ROOT / "examples").glob("*.py"))}
+    sources.update({
+        f"{_name(path)}:{line}": code for path in _DOCS for line, _, code, _ in _python_blocks(path)
+    })
+    missing, unknown = [], []
+    for where, code in sources.items():
+        for module in _imported_modules(code):
+            if module in sys.stdlib_module_names or module in ("kmp", "benchmarks", "keras", "numpy"):
+                continue
+            if module not in _DISTRIBUTIONS:
+                unknown.append(f"{where}: {module}")
+            elif _DISTRIBUTIONS[module] not in installed:
+                missing.append(f"{where}: {module} ({_DISTRIBUTIONS[module]})")
+    assert not unknown, f"add these modules' distributions to _DISTRIBUTIONS: {unknown}"
+    assert not missing, f"imported by examples or guides, installed by no extra: {missing}"

@@ -134,3 +134,31 @@ def test_gan_example_runs_as_a_script(tmp_path):
         skipped, total = (int(v) for v in line.split("skipped steps ")[1].split(" of "))
         assert total == 28 and 0 <= skipped < total  # 1797 digits // 64 steps
     assert "generated images: shape (4, 8, 8, 1), dtype float32, finite True" in lines
+
+
+def test_quickstart_runs_on_jax_where_tensorflow_is_not_installed(tmp_path):
+    # It imported TensorFlow at the top: a bare ModuleNotFoundError on a JAX
+    # install (issue 38). It trains on JAX and says why it exports nothing.
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['tensorflow'] = None  # as if not installed\n"
+        f"sys.argv = ['quickstart.py', '--epochs', '2']\n"
+        f"runpy.run_path({str(_QUICKSTART)!r}, run_name='__main__')\n"
+    )
+    env = child_env()
+    env["KERAS_BACKEND"] = "jax"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    # XLA's CPU backend computes bfloat16 through float32: auto picks float32.
+    assert lines[0].startswith("policy: ")
+    accuracy = float(result.stdout.split("test accuracy: ")[1].split()[0])
+    assert accuracy > 0.8
+    assert lines[-1] == (
+        "SavedModel not exported: it needs TensorFlow, which is not installed "
+        '(pip install -e ".[tensorflow]" adds it; Keras writes a SavedModel with '
+        "TensorFlow on every backend)"
+    )

@@ -1,6 +1,6 @@
 """kmp on JAX imports no TensorFlow, and runs where TensorFlow is not installed.
 
-A JAX user installs `pip install "kmp[jax]"`, without TensorFlow (1.9 GB
+A JAX user installs `pip install -e ".[jax]"`, without TensorFlow (1.9 GB
 against JAX's 0.4 GB, and a second CUDA stack in the process on a GPU).
 Each test starts a fresh Python with `KERAS_BACKEND=jax`, as a user's script
 starts, since this process has imported whatever other tests import: the

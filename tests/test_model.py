@@ -235,6 +235,51 @@ def test_compile_loss_scale_choices():
     assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
 
 
+def test_keras_scaler_above_kmps_default_maximum_is_taken_over_and_trains():
+    # Keras' scaler has no maximum: 2**40 is a setting Keras accepts, and
+    # kmp raised "min_scale <= initial_scale <= max_scale" for it (issue 38).
+    kmp.set_policy("mixed_float16")
+    x, y = _data()
+    model = _functional()
+    model.compile(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2**40),
+        "sparse_categorical_crossentropy",
+    )
+    scaler = model.optimizer
+    assert type(scaler) is kmp.LossScaleOptimizer
+    assert (scaler.initial_scale, scaler.max_scale, scaler.min_scale) == (2.0**40, 2.0**40, 1.0)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    skipped = int(scaler.skipped_steps)
+    # Keras' semantics for a scaler the user passed: each overflow skips the
+    # step and halves the scale; 8 steps cannot reach the growth interval.
+    assert 0 < skipped <= 8
+    assert float(scaler.loss_scale) == 2.0**40 / 2**skipped
+    assert int(scaler.iterations) == 8 - skipped
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("initial_scale, bounds", [(0.5, (0.5, 2.0**24)), (2.0**30, (1.0, 2.0**30))])
+def test_keras_scaler_outside_kmps_default_bounds_moves_the_bound(initial_scale, bounds):
+    kmp.set_policy("mixed_float16")
+    model = _functional()
+    model.compile(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=initial_scale),
+        "mse",
+    )
+    scaler = model.optimizer
+    assert scaler.initial_scale == initial_scale
+    assert (scaler.min_scale, scaler.max_scale) == bounds
+
+
+def test_keras_scaler_beyond_float32_is_refused_by_name():
+    kmp.set_policy("mixed_float16")
+    model = _functional()
+    keras_scaler = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=1e39)
+    with pytest.raises(ValueError, match=r"`initial_scale` must be .*Received: initial_scale=1e\+39"):
+        model.compile(keras_scaler, "mse")
+    assert getattr(model, "optimizer", None) is None
+
+
 def test_auto_loss_scale_sees_float16_layers_in_a_float32_model():
     inputs = keras.Input((4,))
     outputs = keras.layers.Dense(2, dtype="mixed_float16")(inputs)

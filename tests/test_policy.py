@@ -480,3 +480,49 @@ def test_policy_scope_restores_keep_float32():
     with kmp.policy_scope("float32", keep_float32=[keras.layers.Dense]):
         assert kmp.policy._global_keep_float32.classes == (keras.layers.Dense,)
     assert [p.pattern for p in kmp.policy._global_keep_float32.patterns] == ["head.*"]
+
+
+def _head_model():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    return kmp.Model(inputs, keras.layers.Dense(2, name="head")(hidden), name="net")
+
+
+def test_a_keep_float32_name_no_layer_has_is_warned_at_the_users_line():
+    # A typo ("haed" for "head") left the head in float16 without a word;
+    # kmp.convert raises for the same mistake (issue 38).
+    kmp.set_policy("mixed_float16", keep_float32=["haed", "re:no_such_.*"])
+    model = _head_model()
+    with pytest.warns(UserWarning) as record:
+        model(np.ones((1, 4), "float32"))
+    (warning,) = [w for w in record if "keep_float32" in str(w.message)]
+    message = str(warning.message)
+    assert "'haed'" in message and "'re:no_such_.*'" not in message  # patterns may match nothing
+    assert "Layer names in 'net': " in message and "head" in message and "hidden" in message
+    assert warning.filename == __file__
+    assert model.get_layer("head").compute_dtype == "float16"
+
+
+def test_a_keep_float32_name_that_matches_warns_nothing(recwarn):
+    kmp.set_policy("mixed_float16", keep_float32=["head"])
+    model = _head_model()
+    model(np.ones((1, 4), "float32"))
+    assert not [w for w in recwarn if "keep_float32" in str(w.message)]
+    assert isinstance(model.get_layer("head").dtype_policy, _float32_layers._Float32Policy)
+
+
+def test_summary_says_a_float32_output_layer_hands_on_float32():
+    # kmp.summary said "outputs cast back to float16" of a float32 layer whose
+    # outputs are the model's: nothing casts them back (issue 38).
+    kmp.set_policy("mixed_float16", keep_float32=["head", "hidden"])
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    after = keras.layers.Dense(8, name="after")(hidden)
+    model = kmp.Model(inputs, keras.layers.Dense(2, name="head")(after), name="net")
+    rows = {row["layer"]: row for row in kmp.summary(model, print_fn=lambda _: None)}
+    assert rows["head"]["reason"] == "keep_float32: 'head'; outputs float32 (a model output)"
+    assert rows["hidden"]["reason"] == "keep_float32: 'hidden'; outputs cast back to float16"
+    assert keras.backend.standardize_dtype(model(np.ones((1, 4), "float32")).dtype) == "float32"
+    # What the head hands on, before kmp.Model's own cast of its outputs.
+    probe = keras.Model(inputs, model.get_layer("head").output)
+    assert keras.backend.standardize_dtype(probe(np.ones((1, 4), "float32")).dtype) == "float32"

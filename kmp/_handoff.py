@@ -33,13 +33,10 @@ Keras' LossScaleOptimizer divides them, with one warning.
 
 import collections
 import contextlib
-import os
-import sys
 import threading
 import warnings
 
-import keras
-
+from kmp import _user_line
 from kmp import backends
 
 StepRequest = collections.namedtuple(
@@ -83,13 +80,6 @@ _DIVIDED_WARNING = (
     "scale for gradients of a loss that was not scaled. Outside `kmp.Model`'s train "
     "step kmp cannot tell them apart. {add_line}."
 )
-
-# Where kmp and Keras live (and the backend, see `_library_dirs`): a warning
-# about the user's code points at the first line outside them
-# (`apply_gradients` reaches `apply` through Keras, and a train step through
-# Keras' trainer).
-_KMP_AND_KERAS = tuple(os.path.dirname(path) + os.sep for path in (__file__, keras.__file__))
-
 
 class StepRecord(threading.local):
     """The hand-off between one replica's train step and its scaler.
@@ -166,15 +156,6 @@ def take_for_apply(optimizer):
     return not divided and (scaled or not record.in_model_step), loss
 
 
-def _user_stacklevel():
-    """The `stacklevel` for `warnings.warn` that names the caller's own line."""
-    libraries = _KMP_AND_KERAS + backends.get("step").LIBRARY_DIRS
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(libraries):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _warn_once(optimizer, template):
     """Warns once per optimizer and message, at the user's line.
 
@@ -191,4 +172,4 @@ def _warn_once(optimizer, template):
         held_as=f" (the model's `{attribute[5:]}`)" if attribute != "optimizer" else "",
         add_line=backends.get("step").ADD_LINE.format(attribute=attribute),
     )
-    warnings.warn(message, stacklevel=_user_stacklevel())
+    warnings.warn(message, stacklevel=_user_line.stacklevel())

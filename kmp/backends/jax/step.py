@@ -24,7 +24,6 @@ ADD_LINE = ("Add one line in the function you differentiate, `scaled_loss = "
             "{attribute}.scale_loss(loss)` (in a `jax.grad` loop of your own, outside "
             "kmp.Model's train step: `scaled_loss = {attribute}.stateless_scale_loss("
             "optimizer_variables, loss)`), and differentiate `scaled_loss`")
-LIBRARY_DIRS = ()
 
 
 def snapshot(value):

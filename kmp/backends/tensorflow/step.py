@@ -2,12 +2,10 @@
 `tf.distribute` strategies, with gradient accumulation and retries.
 
 The same names as `kmp/backends/jax/step.py`: `apply` (the scaler's
-`apply`), `snapshot`, `outside_functions`, `usable_here`, `check_buildable`,
-`ADD_LINE` and `LIBRARY_DIRS`. The math shared with JAX (the finiteness
-decision, unscaling, the next scale and counters) is `kmp._scaling_step`'s.
+`apply`), `snapshot`, `outside_functions`, `usable_here`, `check_buildable`
+and `ADD_LINE`. The math shared with JAX (the finiteness decision,
+unscaling, the next scale and counters) is `kmp._scaling_step`'s.
 """
-
-import os
 
 import tensorflow as tf
 from keras import ops
@@ -22,8 +20,6 @@ from kmp.backends.tensorflow import replicas as replicas_module
 # The line a warning asks for (`kmp._handoff`).
 ADD_LINE = ("Add one line inside the tape, `scaled_loss = {attribute}.scale_loss(loss)`, "
             "and take `tape.gradient(scaled_loss, ...)`")
-# A warning about the user's code points past TensorFlow's frames too.
-LIBRARY_DIRS = (os.path.dirname(tf.__file__) + os.sep,)
 
 def snapshot(value):
     """A variable's value that later assignments leave as it is."""

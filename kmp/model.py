@@ -405,13 +405,14 @@ class Model(_keras_internals.ModelBase):
         """
         return [_to_float32(loss) for loss in super().losses]
 
-    def train_step(self, *args):
+    def train_step(self, *args, **kwargs):
         """Keras' own step, with a skipped step kept out of the epoch's logs
         and, with `overflow_retries`, an overflowing batch redone (see
-        `kmp/backends/tensorflow/trainer.py`). On JAX, `train_step(state,
-        data)` as Keras' JAX trainer calls it (see
+        `kmp/backends/tensorflow/trainer.py`; there kmp's train function
+        also passes `attempt=`, the attempt of a batch it redoes). On JAX,
+        `train_step(state, data)` as Keras' JAX trainer calls it (see
         `kmp/backends/jax/trainer.py`)."""
-        return backends.get("trainer").train_step(self, *args, super().train_step)
+        return backends.get("trainer").train_step(self, *args, super().train_step, **kwargs)
 
     def reset_metrics(self):
         super().reset_metrics()

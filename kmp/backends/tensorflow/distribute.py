@@ -266,13 +266,10 @@ def make_function(model, step_function, retries=False):
         data = keras.tree.map_structure(
             lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
         )
-        # Read by the step as it is traced (`kmp.backends.tensorflow.trainer.train_step`);
-        # `None` where this function does not redo batches.
-        object.__setattr__(model, "_kmp_attempt", attempt)
-        try:
-            return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
-        finally:
-            object.__setattr__(model, "_kmp_attempt", None)
+        # The attempt, where this function redoes batches: an argument of
+        # kmp.Model's own step (`kmp.backends.tensorflow.trainer.train_step`).
+        kwargs = {} if attempt is None else {"attempt": attempt}
+        return reduce_logs(strategy.run(step_function, args=(data,), kwargs=kwargs), strategy)
 
     if not model.run_eagerly:
         one_step_on_data = tf.function(

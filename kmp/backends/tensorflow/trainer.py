@@ -126,13 +126,15 @@ def reporting_step(model, train_step, own):
             applies.
 
     Returns:
-        A function of `data`, to be set as the instance's `train_step`.
+        A function of `data` (and, for kmp.Model's own step, the `attempt`
+        kmp's train function passes: see `train_step`), to be set as the
+        instance's `train_step`.
     """
     @functools.wraps(train_step)
-    def train_step_with_scaler_logs(data):
+    def train_step_with_scaler_logs(data, **kwargs):  # `attempt=`, for kmp's own step
         _model_step.check_overflow_retries(model, own)
         with _model_step.inside_model_step(model, own) as scalers:
-            logs = train_step(model, data)
+            logs = train_step(model, data, **kwargs)
             applied = _model_step.applied(scalers)
             if applied and isinstance(logs, dict):
                 retrying = own and _model_step.retries_on(model, model.optimizer)
@@ -142,7 +144,7 @@ def reporting_step(model, train_step, own):
     return train_step_with_scaler_logs
 
 
-def train_step(model, data, keras_train_step):
+def train_step(model, data, keras_train_step, attempt=None):
     """Keras' own step (`keras_train_step`), with a skipped step kept out of
     the epoch's logs.
 
@@ -154,6 +156,12 @@ def train_step(model, data, keras_train_step):
     the metrics to what they were before a skipped step and counts its
     loss apart; an epoch in which no step was applied logs the mean loss
     of its skipped steps.
+
+    `attempt` (an int tensor) is passed by kmp's train function where it
+    redoes a batch around this step compiled by XLA
+    (`kmp.backends.tensorflow.distribute.make_function`): the step is then
+    one attempt, with `retries - attempt` retries left, and its logs say
+    whether to redo the batch (`distribute.RETRY_LOG`).
     """
     optimizer = model.optimizer
     skipped_losses = getattr(model, "_kmp_skipped_losses", None)
@@ -166,11 +174,10 @@ def train_step(model, data, keras_train_step):
         or not model.trainable_weights
     ):
         logs = keras_train_step(data)
-        if getattr(model, "_kmp_attempt", None) is not None and isinstance(logs, dict):
+        if attempt is not None and isinstance(logs, dict):
             logs = dict(logs, **{distribute_module.RETRY_LOG: ops.convert_to_tensor(False)})
         return logs
     retries = _model_step.retry_budget(model, optimizer)
-    attempt = getattr(model, "_kmp_attempt", None)
     retry = None
     if retries is not None and attempt is not None:
         # kmp's train function redoes the batch around this compiled step

@@ -89,7 +89,8 @@ class DeferredApply:
     def apply_if(self, finite, grads, scale):
         """Applies `grads` (carrying `scale`) where `finite`: unscaled,
         clipped and applied by the inner optimizer, as `_step` applies, with
-        the skip a select (`_apply_or_keep`): it runs under XLA only."""
+        the skip a select where it can be (`_apply_if`): it runs under XLA
+        only."""
         self._apply(list(grads), scale, finite)
 
 
@@ -216,8 +217,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         deferred = DeferredApply(
             list(grads), scale,
             lambda grads, scale, finite: replicas.run(
-                lambda grads, variables: _apply_or_keep(
-                    finite, lambda: apply_unscaled(grads, variables, scale), inner, variables
+                lambda grads, variables: _apply_if(
+                    finite, lambda: apply_unscaled(grads, variables, scale), inner, variables, grads
                 ),
                 grads, variables,
             ),
@@ -226,8 +227,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         return decision.finite, decision.retry, deferred
 
     if not window and replicas is replicas_module.IN_REPLICA and _keras_internals.in_xla_context():
-        # Under XLA a select, not a conditional (see `_apply_or_keep`).
-        _apply_or_keep(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables)
+        _apply_if(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables, grads)
         _scaling_step.assign_state(optimizer, decision)
         return decision.finite, decision.retry, None
 
@@ -263,6 +263,16 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
     return decision.finite, decision.retry, None
 
 
+def _apply_if(finite, apply, inner, variables, grads):
+    """Under XLA: `apply()` where `finite`, as a select (`_apply_or_keep`)
+    or, where a gradient is sparse and no strategy is in use, as a `cond`
+    (see there why)."""
+    if tf.distribute.has_strategy() or not any(isinstance(g, tf.IndexedSlices) for g in grads):
+        _apply_or_keep(finite, apply, inner, variables)
+    else:
+        ops.cond(finite, apply, lambda: None)
+
+
 def _apply_or_keep(finite, apply, inner, variables):
     """Runs `apply()` (the inner optimizer's update of `variables`), then
     keeps each value it wrote only where `finite`: the skip as a select.
@@ -282,7 +292,13 @@ def _apply_or_keep(finite, apply, inner, variables):
     before it runs, and, on a strategy's all-GPU path, TensorFlow refuses
     the `merge_call` an optimizer's `apply` makes inside its branch
     (keras-team/keras#21366). Without XLA a `cond` stays cheaper: a graph
-    would run the update's ops and every select on each skipped step.
+    would run the update's ops and every select on each skipped step. So
+    does XLA's conditional where a gradient is sparse (an embedding's
+    `IndexedSlices`, updated by a scatter in place): a select would keep a
+    copy of the whole table and its slots on every step (twice the step's
+    time on `benchmarks.xla_step`'s Embedding(200000, 64) on a CPU), and
+    XLA keeps Keras' own step's conditional there too. Under a strategy it
+    is a select all the same: a `cond` would hold the `merge_call`.
 
     Args:
         finite: Boolean scalar tensor: keep what `apply` wrote.

@@ -15,7 +15,7 @@ import math
 import keras
 import numpy as np
 
-from kmp import _hardware
+from kmp.precision import _hardware
 from kmp import backends
 from kmp._float16 import OVERFLOW_AT
 from kmp._float16 import SUBNORMAL_BELOW

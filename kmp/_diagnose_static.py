@@ -14,7 +14,7 @@ import textwrap
 import keras
 
 from kmp import _keras_internals
-from kmp import _token_ids
+from kmp.precision import _token_ids
 from kmp._float16 import FLOAT16_SMALLEST_NORMAL
 from kmp._float16 import OVERFLOW_AT
 

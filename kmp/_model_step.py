@@ -21,7 +21,7 @@ import functools
 import keras
 from keras import ops
 
-from kmp import _float32_layers
+from kmp.precision import _float32_layers
 from kmp import _optimizers
 from kmp import _scaling_step
 from kmp import backends

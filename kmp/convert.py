@@ -11,10 +11,10 @@ import warnings
 
 import keras
 
-from kmp import _float32_layers
+from kmp.precision import _float32_layers
 from kmp import _keras_internals
-from kmp import _layer_dtypes
-from kmp import _precision
+from kmp.precision import _layer_dtypes
+from kmp.precision import _settle as _precision
 from kmp import model as model_module
 from kmp import policy as policy_module
 

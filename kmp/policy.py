@@ -19,14 +19,14 @@ import logging
 
 import keras
 
-from kmp import _hardware
-from kmp._float32_layers import _builtin_rules
-from kmp._float32_layers import _plan as _plan_float32_layers
-from kmp._keep_float32 import _Float32Rules
+from kmp.precision import _hardware
+from kmp.precision._float32_layers import _builtin_rules
+from kmp.precision._float32_layers import _plan as _plan_float32_layers
+from kmp.precision._keep_float32 import _Float32Rules
 
 # Public names of this module since 0.1, defined with the float32 layers.
-from kmp._float32_layers import FLOAT32_LAYER_CLASSES  # noqa: F401
-from kmp._float32_layers import KEEP_FLOAT32_CLASSES  # noqa: F401
+from kmp.precision._float32_layers import FLOAT32_LAYER_CLASSES  # noqa: F401
+from kmp.precision._float32_layers import KEEP_FLOAT32_CLASSES  # noqa: F401
 
 
 _LOGGER = logging.getLogger("kmp")

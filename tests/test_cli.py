@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import kmp
 from kmp import _command
-from kmp import _hardware
+from kmp.precision import _hardware
 from kmp import cli
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from _helpers import assert_close_to_float16_rounding
 from _helpers import child_env
 from _helpers import float32_compute_dtype
 from _helpers import graph_dtypes
-from kmp import _float32_layers
+from kmp.precision import _float32_layers
 from kmp import policy as policy_module
 
 # How far apart outputs of these two-layer models may be, in roundings to the

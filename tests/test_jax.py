@@ -22,7 +22,7 @@ from _helpers import ReferenceScaler
 from keras import ops
 
 import kmp
-from kmp import _hardware
+from kmp.precision import _hardware
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="the KERAS_BACKEND=jax pass runs it"

@@ -4,8 +4,8 @@ import pytest
 
 from _helpers import DtypeProbe
 import kmp
-from kmp import _float32_layers
-from kmp import _hardware
+from kmp.precision import _float32_layers
+from kmp.precision import _hardware
 from kmp import policy as policy_module
 
 

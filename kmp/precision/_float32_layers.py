@@ -14,8 +14,8 @@ import keras
 
 from kmp import _keras_internals
 from kmp import backends
-from kmp._keep_float32 import _Float32Rules
-from kmp._keep_float32 import _layer_label
+from kmp.precision._keep_float32 import _Float32Rules
+from kmp.precision._keep_float32 import _layer_label
 
 _16_BIT_DTYPES = ("float16", "bfloat16")
 

@@ -26,9 +26,9 @@ import threading
 
 import keras
 
-from kmp import _float32_layers
+from kmp.precision import _float32_layers
 from kmp import _keras_internals
-from kmp import _token_ids
+from kmp.precision import _token_ids
 from kmp import policy as policy_module
 
 # Two threads calling a model for the first time settle it once.

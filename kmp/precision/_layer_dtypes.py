@@ -3,8 +3,8 @@ the model runs, why it has them, and the table that shows them."""
 
 import keras
 
-from kmp import _float32_layers
-from kmp import _keep_float32
+from kmp.precision import _float32_layers
+from kmp.precision import _keep_float32
 from kmp import _keras_internals
 from kmp import model as model_module
 from kmp import policy as policy_module

@@ -43,8 +43,8 @@ import warnings
 
 import keras
 
-from kmp import _float32_layers
-from kmp import _keep_float32
+from kmp.precision import _float32_layers
+from kmp.precision import _keep_float32
 from kmp import _keras_internals
 
 # The largest integer below which every integer is exact: 2**(significand

@@ -14,12 +14,12 @@ import numpy as np
 
 from kmp import _keras_internals
 from kmp import _monitor_messages as messages
-from kmp import _scaling_step
+from kmp.scaling import _step as _scaling_step
 from kmp._ledger import Ledger
 from kmp._monitor_csv import StepCsv
 from kmp._monitor_plot import write_plot
-from kmp._optimizers import read_counters
-from kmp._optimizers import retries
+from kmp.scaling._optimizers import read_counters
+from kmp.scaling._optimizers import retries
 
 
 def _loss_log(name):

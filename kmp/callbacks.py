@@ -27,8 +27,8 @@ from kmp import _monitor_messages as messages
 from kmp._monitor_arguments import resolve_optimizers as _resolve_optimizers
 from kmp._monitor_csv import CSV_COLUMNS  # noqa: F401 (the CSV's header, read here)
 from kmp._monitor_steps import WatchedOptimizer
-from kmp._optimizers import read_counters as _read_counters  # noqa: F401 (tests read it here)
-from kmp._optimizers import scaling_optimizers
+from kmp.scaling._optimizers import read_counters as _read_counters  # noqa: F401 (tests read it here)
+from kmp.scaling._optimizers import scaling_optimizers
 from kmp._progbar import _ProgbarLogger
 from kmp.checkpoint import BackupAndRestore
 from kmp.checkpoint import ModelCheckpoint

@@ -30,15 +30,15 @@ whole and counted once, and the scale changes only between windows.
 import keras
 from keras import ops
 
-from kmp import _handoff
+from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp import _scaler_settings as settings
-from kmp import _scaling_rule
-from kmp import _scaling_step
+from kmp.scaling import _settings as settings
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _step as _scaling_step
 from kmp import backends
-from kmp._gradients import all_finite  # noqa: F401  (public in this module)
-from kmp._scaling_rule import LossScaleState  # noqa: F401  (public in this module)
-from kmp._scaling_rule import update_loss_scale  # noqa: F401  (public in this module)
+from kmp.scaling._gradients import all_finite  # noqa: F401  (public in this module)
+from kmp.scaling._rule import LossScaleState  # noqa: F401  (public in this module)
+from kmp.scaling._rule import update_loss_scale  # noqa: F401  (public in this module)
 
 _COUNTERS = _scaling_rule.COUNTERS
 _COUNTER_DTYPE = _scaling_rule.COUNTER_DTYPE

@@ -7,9 +7,9 @@ import keras
 import numpy as np
 
 from kmp import _keras_internals
-from kmp import _model_step
+from kmp.scaling import _model_step
 from kmp.precision import _settle as _precision
-from kmp import _scaler_settings
+from kmp.scaling import _settings as _scaler_settings
 from kmp import backends
 from kmp import export as export_module
 from kmp import loss_scale as loss_scale_module

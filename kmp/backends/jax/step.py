@@ -14,10 +14,10 @@ import contextlib
 import jax
 from keras import ops
 
-from kmp import _handoff
+from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp import _scaling_rule
-from kmp import _scaling_step
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _step as _scaling_step
 
 # The line a warning asks for (`kmp._handoff`): JAX's steps are stateless.
 ADD_LINE = ("Add one line in the function you differentiate, `scaled_loss = "

@@ -33,11 +33,11 @@ import jax
 import keras
 from keras import ops
 
-from kmp import _handoff
+from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp import _model_step
-from kmp import _scaling_rule
-from kmp import _scaling_step
+from kmp.scaling import _model_step
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _step as _scaling_step
 from kmp import loss_scale as loss_scale_module
 from kmp.backends.jax import unsupported
 

@@ -10,11 +10,11 @@ unscaling, the next scale and counters) is `kmp._scaling_step`'s.
 import tensorflow as tf
 from keras import ops
 
-from kmp import _handoff
+from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp import _scaling_rule
-from kmp import _scaling_step
-from kmp._scaler_settings import CLIPPING
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _step as _scaling_step
+from kmp.scaling._settings import CLIPPING
 from kmp.backends.tensorflow import replicas as replicas_module
 
 # The line a warning asks for (`kmp._handoff`).

@@ -22,8 +22,8 @@ import keras
 from keras import ops
 
 from kmp.precision import _float32_layers
-from kmp import _optimizers
-from kmp import _scaling_step
+from kmp.scaling import _optimizers
+from kmp.scaling import _step as _scaling_step
 from kmp import backends
 from kmp import loss_scale as loss_scale_module
 

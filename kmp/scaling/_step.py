@@ -24,10 +24,10 @@ own = state_after(scale, counters, finite)             # the same pure rule
 import keras
 from keras import ops
 
-from kmp import _gradients
-from kmp import _handoff
+from kmp.scaling import _gradients
+from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp import _scaling_rule
+from kmp.scaling import _rule as _scaling_rule
 from kmp import backends
 
 

@@ -404,7 +404,7 @@ import tensorflow as tf
 from keras.src.models import functional
 import tensorflow.python.eager.context
 from tensorflow.python import pywrap_tfe as pywrap
-from kmp import _ledger
+from kmp.monitor import _ledger
 
 class Model(keras.Model):
     def _maybe_symbolic_build(self, *args):

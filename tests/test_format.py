@@ -6,7 +6,7 @@ import pytest
 
 from kmp import _diagnose_report
 from kmp import _format
-from kmp import _monitor_messages
+from kmp.monitor import _messages as _monitor_messages
 from kmp._format import format_scale
 
 

@@ -11,8 +11,8 @@ import doctest
 import hypothesis
 from hypothesis import strategies as st
 
-from kmp import _ledger
-from kmp._ledger import Ledger
+from kmp.monitor import _ledger
+from kmp.monitor._ledger import Ledger
 
 
 def _no_names():

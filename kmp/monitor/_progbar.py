@@ -9,7 +9,7 @@ import numbers
 import keras
 
 from kmp import _keras_internals
-from kmp import _monitor_messages as messages
+from kmp.monitor import _messages as messages
 from kmp._format import format_scale
 from kmp.scaling._optimizers import read_counters
 from kmp.scaling._optimizers import scaling_optimizers

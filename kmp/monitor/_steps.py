@@ -13,11 +13,11 @@ import os
 import numpy as np
 
 from kmp import _keras_internals
-from kmp import _monitor_messages as messages
+from kmp.monitor import _messages as messages
 from kmp.scaling import _step as _scaling_step
-from kmp._ledger import Ledger
-from kmp._monitor_csv import StepCsv
-from kmp._monitor_plot import write_plot
+from kmp.monitor._ledger import Ledger
+from kmp.monitor._csv import StepCsv
+from kmp.monitor._plot import write_plot
 from kmp.scaling._optimizers import read_counters
 from kmp.scaling._optimizers import retries
 

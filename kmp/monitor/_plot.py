@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 
 from kmp import _user_line
-from kmp._ledger import REASON_FORWARD
+from kmp.monitor._ledger import REASON_FORWARD
 
 
 def write_plot(path, history):

@@ -4,7 +4,7 @@ import csv
 import math
 import os
 
-from kmp import _monitor_messages as messages
+from kmp.monitor import _messages as messages
 
 CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_variables")
 

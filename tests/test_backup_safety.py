@@ -26,7 +26,7 @@ import pytest
 
 import kmp
 from _helpers import child_env
-from kmp import _atomic_files
+from kmp.backup import _atomic_files
 from kmp import checkpoint as checkpoint_module
 
 STEPS_PER_EPOCH = 3

@@ -4,7 +4,7 @@ import doctest
 
 import pytest
 
-from kmp import _diagnose_report
+from kmp.diagnosis import _report as _diagnose_report
 from kmp import _format
 from kmp.monitor import _messages as _monitor_messages
 from kmp._format import format_scale

@@ -156,7 +156,7 @@ def test_cpu_flags_parses_cpuinfo(tmp_path):
     ],
 )
 def test_one_bfloat16_rule_for_auto_diagnose_and_doctor(monkeypatch, gpus, flags, native):
-    from kmp import _diagnose_probe
+    from kmp.diagnosis import _probe as _diagnose_probe
 
     assert _hardware._runs_bfloat16(gpus, flags) is native
     # "auto" and kmp.diagnose's probe both read the hardware in kmp/_hardware.py.

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp import _diagnose_probe
+from kmp.diagnosis import _probe as _diagnose_probe
 
 
 def check_supported():

@@ -17,9 +17,9 @@ import numpy as np
 
 from kmp.precision import _hardware
 from kmp import backends
-from kmp._float16 import OVERFLOW_AT
-from kmp._float16 import SUBNORMAL_BELOW
-from kmp._float16 import ZERO_AT_MOST
+from kmp.diagnosis._float16 import OVERFLOW_AT
+from kmp.diagnosis._float16 import SUBNORMAL_BELOW
+from kmp.diagnosis._float16 import ZERO_AT_MOST
 from kmp._format import format_scale
 
 # Scales searched for the recommendation: 2**-24 ... 2**24.

@@ -15,8 +15,8 @@ import keras
 
 from kmp import _keras_internals
 from kmp.precision import _token_ids
-from kmp._float16 import FLOAT16_SMALLEST_NORMAL
-from kmp._float16 import OVERFLOW_AT
+from kmp.diagnosis._float16 import FLOAT16_SMALLEST_NORMAL
+from kmp.diagnosis._float16 import OVERFLOW_AT
 
 # Keras layers that add their epsilon in float32 whatever their compute dtype
 # (their statistics are computed in at least float32).

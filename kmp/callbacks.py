@@ -11,10 +11,10 @@ the variables whose gradients overflowed, writes a per-step CSV and a plot,
 and stops a run that has stopped making progress.
 
 The monitor is the callback: it decides when to read, stop and report.
-`kmp/_monitor_arguments.py` checks its arguments and finds the optimizers it
-watches, `kmp/_monitor_steps.py` reads each optimizer's steps,
-`kmp/_ledger.py` keeps their numbers, `kmp/_monitor_csv.py` writes them,
-`kmp/_monitor_messages.py` words them and `kmp/_monitor_plot.py` draws them.
+`kmp/monitor/_arguments.py` checks its arguments and finds the optimizers it
+watches, `kmp/monitor/_steps.py` reads each optimizer's steps,
+`kmp/monitor/_ledger.py` keeps their numbers, `kmp/monitor/_csv.py` writes them,
+`kmp/monitor/_messages.py` words them and `kmp/monitor/_plot.py` draws them.
 """
 
 import os

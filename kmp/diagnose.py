@@ -8,9 +8,9 @@ float16, float token ids rounded by a 16-bit cast, 16-bit outputs) without
 any data.
 
 This module checks the arguments and copies the model; the measurements are
-in `kmp/_diagnose_probe.py` (its forward and backward passes in the backend's
+in `kmp/diagnosis/_probe.py` (its forward and backward passes in the backend's
 `kmp/backends/<backend>/probe.py`), the static checks in
-`kmp/_diagnose_static.py` and the report in `kmp/_diagnose_report.py`.
+`kmp/diagnosis/_static.py` and the report in `kmp/diagnosis/_report.py`.
 """
 
 import keras

@@ -8,12 +8,12 @@ One order of operations, written once:
     updates; or skip -> update the scale
 
 This module holds what a user sees: the rule, `update_loss_scale` (a pure
-function; `kmp._scaling_rule`), and `LossScaleOptimizer`, which keeps the
+function; `kmp.scaling._rule`), and `LossScaleOptimizer`, which keeps the
 scaler's state in its variables and hands each `apply` to the backend's step
 (`kmp/backends/<backend>/step.py`, built from the parts both backends share
-in `kmp._scaling_step`). What a train step tells the scaler and what the
-scaler answers is `kmp._handoff`'s, in one place; the constructor's checks
-are `kmp._scaler_settings`'.
+in `kmp.scaling._step`). What a train step tells the scaler and what the
+scaler answers is `kmp.scaling._handoff`'s, in one place; the constructor's checks
+are `kmp.scaling._settings`'.
 
 Clipping is the inner optimizer's own: `clipnorm`, `global_clipnorm` and
 `clipvalue` of the scaler are the inner optimizer's attributes (read and
@@ -75,7 +75,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Gradients of a loss that did not go through `scale_loss` are never
     divided inside `kmp.Model`'s train step, and divided as Keras divides
-    them elsewhere, with a warning either way (see this module's docstring).
+    them elsewhere, with a warning either way (see `kmp.scaling._handoff`).
     On JAX, `stateless_apply` and `stateless_scale_loss` are the same step as
     pure functions of values. Checkpoints and `.keras` files carry the state.
 
@@ -216,7 +216,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # The name Keras' LossScaleOptimizer gives its scale variable.
     dynamic_scale = property(lambda self: self._kmp_scale)
 
-    # The inner optimizer's, read and written there (`_clipping_accessors`).
+    # The inner optimizer's, read and written there (`kmp.scaling._settings`).
     clipnorm = property(*settings.clipping_accessors("clipnorm"))
     global_clipnorm = property(*settings.clipping_accessors("global_clipnorm"))
     clipvalue = property(*settings.clipping_accessors("clipvalue"))

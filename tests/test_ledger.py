@@ -1,4 +1,4 @@
-"""kmp._ledger.Ledger: the monitor's numbers, checked without Keras training.
+"""kmp.monitor._ledger.Ledger: the monitor's numbers, checked without Keras training.
 
 Records are the optimizer's running counters `(step, skipped_total,
 forward_total, consecutive, consecutive_forward)` after a step or an

@@ -159,7 +159,7 @@ def test_one_bfloat16_rule_for_auto_diagnose_and_doctor(monkeypatch, gpus, flags
     from kmp.diagnosis import _probe as _diagnose_probe
 
     assert _hardware._runs_bfloat16(gpus, flags) is native
-    # "auto" and kmp.diagnose's probe both read the hardware in kmp/_hardware.py.
+    # "auto" and kmp.diagnose's probe both read the hardware in kmp/precision/_hardware.py.
     monkeypatch.setattr(_hardware, "_gpu_compute_capabilities", lambda: gpus)
     monkeypatch.setattr(_hardware, "_cpu_flags", lambda: flags)
     assert _diagnose_probe.hardware_has_bfloat16() is native

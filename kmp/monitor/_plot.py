@@ -18,7 +18,7 @@ def write_plot(path, history):
 
     Args:
         path: String. Where to write the PNG; its directory is created.
-        history: Dict of lists, as `kmp._ledger.Ledger.history`: `step`,
+        history: Dict of lists, as `kmp.monitor._ledger.Ledger.history`: `step`,
             `loss`, `loss_scale`, `scale_before`, `reason`.
     """
     try:

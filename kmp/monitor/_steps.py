@@ -3,7 +3,7 @@ are read.
 
 Each step's counters, loss and loss scale come from the values the train step
 returns (or, where it returns none, from the optimizer); they wait in a list
-until processed in batches, then go to the optimizer's `kmp._ledger.Ledger`
+until processed in batches, then go to the optimizer's `kmp.monitor._ledger.Ledger`
 and its CSV. At the end of the fit its plot is drawn from the ledger.
 """
 

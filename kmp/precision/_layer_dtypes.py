@@ -26,7 +26,7 @@ def _float32_reasons(model):
 def _is_model_output(layer, model):
     """Whether `layer`'s outputs are outputs of `model`, a functional model:
     `kmp.Model` hands them on in float32, with no cast back (see
-    `kmp._precision._output_leaves_keras`)."""
+    `kmp.precision._settle._output_leaves_keras`)."""
     if not isinstance(model, _keras_internals.Functional):
         return False
     try:

@@ -1,7 +1,7 @@
 """kmp.Model's train step, what both backends share.
 
 - `inside_model_step` runs a step with each loss scaler the model holds told
-  so (`kmp._handoff`: gradients of a loss that skipped `scale_loss` are then
+  so (`kmp.scaling._handoff`: gradients of a loss that skipped `scale_loss` are then
   applied undivided).
 - `retries_on` and `retry_budget`: whether and how often a batch whose
   gradients overflowed is redone (`overflow_retries`).

@@ -4,7 +4,7 @@ JAX traces a train step once and runs it as a pure function of its state:
 Keras' JAX trainer passes every variable's value in and takes the new values
 out (`stateless_apply`), and a branch (`jax.lax.cond`) must return what it
 changes instead of assigning it. So the loss-scaled step is
-`kmp._scaling_step.stateless_step`, a function of values:
+`kmp.scaling._step.stateless_step`, a function of values:
 
 ```
 finite = all(isfinite(grads))                  # one program over all devices

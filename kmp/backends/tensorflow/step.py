@@ -4,7 +4,7 @@
 The same names as `kmp/backends/jax/step.py`: `apply` (the scaler's
 `apply`), `snapshot`, `outside_functions`, `usable_here`, `check_buildable`
 and `ADD_LINE`. The math shared with JAX (the finiteness decision,
-unscaling, the next scale and counters) is `kmp._scaling_step`'s.
+unscaling, the next scale and counters) is `kmp.scaling._step`'s.
 """
 
 import tensorflow as tf
@@ -54,7 +54,7 @@ def apply(optimizer, grads, variables, *, divide, loss, request):
     """`LossScaleOptimizer.apply` on TensorFlow (see `_step`).
 
     Returns:
-        The `kmp._handoff.StepAnswer`.
+        The `kmp.scaling._handoff.StepAnswer`.
     """
     retries_left = request.retries_left if request else None
     defer = bool(request and request.defer)

@@ -22,16 +22,16 @@ import os
 import keras
 
 from kmp import _keras_internals
+from kmp.checkpoint import BackupAndRestore
+from kmp.checkpoint import ModelCheckpoint
 from kmp.monitor import _arguments as arguments
 from kmp.monitor import _messages as messages
 from kmp.monitor._arguments import resolve_optimizers as _resolve_optimizers
 from kmp.monitor._csv import CSV_COLUMNS  # noqa: F401 (the CSV's header, read here)
+from kmp.monitor._progbar import _ProgbarLogger
 from kmp.monitor._steps import WatchedOptimizer
 from kmp.scaling._optimizers import read_counters as _read_counters  # noqa: F401 (tests read it here)
 from kmp.scaling._optimizers import scaling_optimizers
-from kmp.monitor._progbar import _ProgbarLogger
-from kmp.checkpoint import BackupAndRestore
-from kmp.checkpoint import ModelCheckpoint
 
 __all__ = [
     "BackupAndRestore",

@@ -91,13 +91,13 @@ import os
 
 import keras
 
+from kmp import _keras_internals
+from kmp import backends
 from kmp.backup import _atomic_files
 from kmp.backup import _choice as _backup_choice
 from kmp.backup import _folder as _backup_folder
 from kmp.backup import _records as _backup_records
 from kmp.backup import _restore as _backup_restore
-from kmp import _keras_internals
-from kmp import backends
 
 # What a worker whose metadata cannot be read reports as its latest backup.
 _UNREADABLE = _backup_choice.UNREADABLE

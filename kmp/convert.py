@@ -11,12 +11,12 @@ import warnings
 
 import keras
 
-from kmp.precision import _float32_layers
 from kmp import _keras_internals
-from kmp.precision import _layer_dtypes
-from kmp.precision import _settle as _precision
 from kmp import model as model_module
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
+from kmp.precision import _layer_dtypes
+from kmp.precision import _settle as _precision
 
 @contextlib.contextmanager
 def _keras_policy(name):

@@ -15,15 +15,15 @@ in `kmp/diagnosis/_probe.py` (its forward and backward passes in the backend's
 
 import keras
 
-from kmp.diagnosis import _probe as _diagnose_probe
 from kmp import _keras_internals
 from kmp import backends
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
-from kmp.diagnosis._report import DiagnosisReport
-from kmp.diagnosis._static import static_findings
+from kmp.diagnosis import _probe as _diagnose_probe
 from kmp.diagnosis._float16 import FLOAT16_MAX  # noqa: F401 (this module's name since 0.1)
 from kmp.diagnosis._float16 import FLOAT16_SMALLEST_NORMAL  # noqa: F401
+from kmp.diagnosis._report import DiagnosisReport
+from kmp.diagnosis._static import static_findings
 
 
 def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None):

@@ -30,12 +30,12 @@ whole and counted once, and the scale changes only between windows.
 import keras
 from keras import ops
 
-from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp.scaling import _settings as settings
-from kmp.scaling import _rule as _scaling_rule
-from kmp.scaling import _step as _scaling_step
 from kmp import backends
+from kmp.scaling import _handoff
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _settings as settings
+from kmp.scaling import _step as _scaling_step
 from kmp.scaling._gradients import all_finite  # noqa: F401  (public in this module)
 from kmp.scaling._rule import LossScaleState  # noqa: F401  (public in this module)
 from kmp.scaling._rule import update_loss_scale  # noqa: F401  (public in this module)

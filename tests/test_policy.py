@@ -4,9 +4,9 @@ import pytest
 
 from _helpers import DtypeProbe
 import kmp
+from kmp import policy as policy_module
 from kmp.precision import _float32_layers
 from kmp.precision import _hardware
-from kmp import policy as policy_module
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,9 @@ import textwrap
 import keras
 
 from kmp import _keras_internals
-from kmp.precision import _token_ids
 from kmp.diagnosis._float16 import FLOAT16_SMALLEST_NORMAL
 from kmp.diagnosis._float16 import OVERFLOW_AT
+from kmp.precision import _token_ids
 
 # Keras layers that add their epsilon in float32 whatever their compute dtype
 # (their statistics are computed in at least float32).

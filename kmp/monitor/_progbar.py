@@ -9,8 +9,8 @@ import numbers
 import keras
 
 from kmp import _keras_internals
-from kmp.monitor import _messages as messages
 from kmp._format import format_scale
+from kmp.monitor import _messages as messages
 from kmp.scaling._optimizers import read_counters
 from kmp.scaling._optimizers import scaling_optimizers
 

@@ -14,10 +14,10 @@ import numpy as np
 
 from kmp import _keras_internals
 from kmp.monitor import _messages as messages
-from kmp.scaling import _step as _scaling_step
-from kmp.monitor._ledger import Ledger
 from kmp.monitor._csv import StepCsv
+from kmp.monitor._ledger import Ledger
 from kmp.monitor._plot import write_plot
+from kmp.scaling import _step as _scaling_step
 from kmp.scaling._optimizers import read_counters
 from kmp.scaling._optimizers import retries
 

@@ -3,11 +3,11 @@ the model runs, why it has them, and the table that shows them."""
 
 import keras
 
-from kmp.precision import _float32_layers
-from kmp.precision import _keep_float32
 from kmp import _keras_internals
 from kmp import model as model_module
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
+from kmp.precision import _keep_float32
 
 
 def _float32_reasons(model):

@@ -26,10 +26,10 @@ import threading
 
 import keras
 
-from kmp.precision import _float32_layers
 from kmp import _keras_internals
-from kmp.precision import _token_ids
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
+from kmp.precision import _token_ids
 
 # Two threads calling a model for the first time settle it once.
 _SETTLING = threading.RLock()

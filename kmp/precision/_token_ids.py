@@ -43,9 +43,9 @@ import warnings
 
 import keras
 
+from kmp import _keras_internals
 from kmp.precision import _float32_layers
 from kmp.precision import _keep_float32
-from kmp import _keras_internals
 
 # The largest integer below which every integer is exact: 2**(significand
 # bits + 1). float16 has 10 stored significand bits, bfloat16 7.

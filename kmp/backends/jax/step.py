@@ -14,8 +14,8 @@ import contextlib
 import jax
 from keras import ops
 
-from kmp.scaling import _handoff
 from kmp import _keras_internals
+from kmp.scaling import _handoff
 from kmp.scaling import _rule as _scaling_rule
 from kmp.scaling import _step as _scaling_step
 

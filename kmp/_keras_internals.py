@@ -21,25 +21,25 @@ uses it says more):
 
 | name | here | used by | why |
 |---|---|---|---|
-| `Layer._flatten_layers` | `nested_layers` | `policy.py`, `_precision.py`, `_token_ids.py`, `convert.py`, `export.py`, `diagnose.py`, `_diagnose_static.py` | every nested layer, which `model.layers` does not list |
+| `Layer._flatten_layers` | `nested_layers` | `precision/_settle.py`, `precision/_float32_layers.py`, `precision/_keep_float32.py`, `precision/_token_ids.py`, `precision/_layer_dtypes.py`, `convert.py`, `export.py`, `diagnose.py`, `diagnosis/_static.py` | every nested layer, which `model.layers` does not list |
 | `Layer._call_has_training_arg` | `call_takes_training` | `convert.py` | call a wrapped model as Keras would |
-| `Layer._convert_input_args` | `converts_inputs` | `_precision.py` | whether a float32 layer's consumer casts its outputs back to 16 bits itself |
-| `KerasTensor._keras_history` | `producing_layer` | `_diagnose_static.py` | which layer produced a functional model's output |
+| `Layer._convert_input_args` | `converts_inputs` | `precision/_settle.py` | whether a float32 layer's consumer casts its outputs back to 16 bits itself |
+| `KerasTensor._keras_history` | `producing_layer` | `diagnosis/_static.py` | which layer produced a functional model's output |
 | `Trainer._compile_config` | `compile_arguments` | `export.py` | `kmp.load_model`'s `LossScaleOptimizer` recorded for the next save |
 | `Trainer._initial_epoch` | `set_initial_epoch` | `checkpoint.py` | the epoch `fit` resumes from, set as Keras' own `BackupAndRestore` sets it |
 | `BackupAndRestore._load_model`, `_save_model` (overridden) | `BackupAndRestoreBase` | `checkpoint.py` | the restore and the save Keras' callback calls (its `on_train_batch_end` for an integer `save_freq`): kmp's check, lock and atomic write (`_kmp_load_backup`, `_kmp_save_backup`) |
 | `BackupAndRestore._current_epoch`, `_last_batch_seen`, `_training_metadata_path` | `BackupAndRestoreBase`'s `_kmp_*` properties | `checkpoint.py` | the epoch and batch a backup records, which Keras' `on_epoch_end` and `_should_save_on_batch` keep too, reset at each `on_train_begin`; where kmp records them |
 | `ModelCheckpoint._save_model` (overridden), `_get_file_path`, `_should_save_model` | `ModelCheckpointBase` | `checkpoint.py` | the save Keras' callback calls for every checkpoint: the file and whether to save stay Keras', the write is kmp's atomic one (`_kmp_write_checkpoint`) |
-| `Tensor._keras_logits` | `keep_logits` | `policy.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
-| `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `_scaling_step.py`, `_monitor_steps.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
+| `Tensor._keras_logits` | `keep_logits` | `precision/_float32_layers.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
+| `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `scaling/_step.py`, `backends/jax/step.py`, `monitor/_steps.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
 | `Optimizer._filter_empty_gradients` | `filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
-| `Optimizer._get_variable_index` | `variable_index` | `_scaling_step.py` | which variable overflowed, for the monitor |
-| `Optimizer._overwrite_variable_with_gradient` | `overwrites_with_gradient` | `_scaling_step.py`, `backends/tensorflow/step.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
+| `Optimizer._get_variable_index` | `variable_index` | `scaling/_step.py` | which variable overflowed, for the monitor |
+| `Optimizer._overwrite_variable_with_gradient` | `overwrites_with_gradient` | `scaling/_step.py`, `backends/tensorflow/step.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
 | `Optimizer._iterations` | `micro_steps` | `backends/tensorflow/step.py` | the micro-step count (`iterations` counts windows): a window's last micro-batch, and its start when a window is discarded |
 | `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `backends/tensorflow/step.py` | discard a window with an overflow |
 | `Optimizer._clip_gradients` | `clip_gradients` | `backends/tensorflow/step.py` | under several replicas, clip the gradients summed over replicas with the inner optimizer's own rule (Keras clips each replica's share) |
 | `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `backends/tensorflow/replicas.py`, `backends/tensorflow/trainer.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
-| `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `backends/tensorflow/trainer.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where kmp's retry loop carries gradients instead of variables |
+| `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `backends/tensorflow/step.py`, `backends/tensorflow/trainer.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where kmp's retry loop carries gradients instead of variables |
 | `tensorflow.python.ops.cond_v2.fast_cond_v2` | `unlowered_cond` | `backends/tensorflow/distribute.py` | the retry of an XLA-compiled step as one `If` op, not a `Switch` per variable on every step |
 | `tf.compat.v1.get_default_graph` | `default_graph` | `backends/tensorflow/step.py` | whether a recorded loss belongs to the graph being traced |
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `backends/jax/trainer.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
@@ -49,7 +49,7 @@ uses it says more):
 | `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
 | `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `backends/tensorflow/distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 
-`_token_ids.py` also overrides `DTypePolicy.convert_input` (public) in kmp's
+`precision/_token_ids.py` also overrides `DTypePolicy.convert_input` (public) in kmp's
 own `_ExactIdsPolicy`: Keras' autocast of a layer's inputs, so that a layer
 holding an embedding hands float32 ids on unrounded.
 """
@@ -76,21 +76,21 @@ __all__ = [
 ]
 
 
-# --- i23-precision: settling a kmp.Model's precision once (kmp/_precision.py) ---
+# --- settling a kmp.Model's precision once (kmp/precision/_settle.py) ---
 
 
 def converts_inputs(layer):
     """Whether Keras casts `layer`'s floating inputs to its compute dtype.
 
     `Layer._convert_input_args`: `False` on layers that take their inputs as
-    they come (functional models, some of Keras' own). `kmp/_precision.py`
+    they come (functional models, some of Keras' own). `kmp/precision/_settle.py`
     reads it to know whether a float32 layer's outputs reach a consumer that
     would not cast them back to 16 bits.
     """
     return getattr(layer, "_convert_input_args", True)
 
 
-# --- the logits behind a softmax or sigmoid output (kmp/policy.py) ---
+# --- the logits behind a softmax or sigmoid output (kmp/precision/_float32_layers.py) ---
 
 
 def keep_logits(source, result):
@@ -237,7 +237,7 @@ class ModelCheckpointBase(keras.callbacks.ModelCheckpoint):
         raise NotImplementedError(f"{type(self).__name__} writes nothing: define `_kmp_write_checkpoint`.")
 
 
-# --- the scaler's step (kmp/loss_scale.py, kmp/_scaling_step.py, kmp/backends/*/step.py, kmp/_monitor_steps.py) ---
+# --- the scaler's step (kmp/loss_scale.py, kmp/scaling/_step.py, kmp/backends/*/step.py, kmp/monitor/_steps.py) ---
 
 
 def built_variables(optimizer):

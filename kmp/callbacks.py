@@ -11,10 +11,10 @@ the variables whose gradients overflowed, writes a per-step CSV and a plot,
 and stops a run that has stopped making progress.
 
 The monitor is the callback: it decides when to read, stop and report.
-`kmp/_monitor_arguments.py` checks its arguments and finds the optimizers it
-watches, `kmp/_monitor_steps.py` reads each optimizer's steps,
-`kmp/_ledger.py` keeps their numbers, `kmp/_monitor_csv.py` writes them,
-`kmp/_monitor_messages.py` words them and `kmp/_monitor_plot.py` draws them.
+`kmp/monitor/_arguments.py` checks its arguments and finds the optimizers it
+watches, `kmp/monitor/_steps.py` reads each optimizer's steps,
+`kmp/monitor/_ledger.py` keeps their numbers, `kmp/monitor/_csv.py` writes them,
+`kmp/monitor/_messages.py` words them and `kmp/monitor/_plot.py` draws them.
 """
 
 import os
@@ -22,16 +22,16 @@ import os
 import keras
 
 from kmp import _keras_internals
-from kmp import _monitor_arguments as arguments
-from kmp import _monitor_messages as messages
-from kmp._monitor_arguments import resolve_optimizers as _resolve_optimizers
-from kmp._monitor_csv import CSV_COLUMNS  # noqa: F401 (the CSV's header, read here)
-from kmp._monitor_steps import WatchedOptimizer
-from kmp._optimizers import read_counters as _read_counters  # noqa: F401 (tests read it here)
-from kmp._optimizers import scaling_optimizers
-from kmp._progbar import _ProgbarLogger
 from kmp.checkpoint import BackupAndRestore
 from kmp.checkpoint import ModelCheckpoint
+from kmp.monitor import _arguments as arguments
+from kmp.monitor import _messages as messages
+from kmp.monitor._arguments import resolve_optimizers as _resolve_optimizers
+from kmp.monitor._csv import CSV_COLUMNS  # noqa: F401 (the CSV's header, read here)
+from kmp.monitor._progbar import _ProgbarLogger
+from kmp.monitor._steps import WatchedOptimizer
+from kmp.scaling._optimizers import read_counters as _read_counters  # noqa: F401 (tests read it here)
+from kmp.scaling._optimizers import scaling_optimizers
 
 __all__ = [
     "BackupAndRestore",

@@ -78,11 +78,11 @@ decisions (their variables and callbacks are the same), so one number means
 one state on every worker.
 
 Where each part lives: this module holds the two callbacks and
-`write_atomically`; the atomic writes are `kmp/_atomic_files.py`, the
-metadata and its checks `_backup_records.py`, the lock `_backup_lock.py`, the
-writes into one process's folder `_backup_folder.py`, the restore of one
-backup `_backup_restore.py`, the choice of which backup (one process, or
-agreed by the workers) `_backup_choice.py`, and which worker this process is
+`write_atomically`; the atomic writes are `kmp/backup/_atomic_files.py`, the
+metadata and its checks `backup/_records.py`, the lock `backup/_lock.py`, the
+writes into one process's folder `backup/_folder.py`, the restore of one
+backup `backup/_restore.py`, the choice of which backup (one process, or
+agreed by the workers) `backup/_choice.py`, and which worker this process is
 and the workers' all-gather `kmp/backends/<backend>/workers.py`.
 """
 
@@ -91,13 +91,13 @@ import os
 
 import keras
 
-from kmp import _atomic_files
-from kmp import _backup_choice
-from kmp import _backup_folder
-from kmp import _backup_records
-from kmp import _backup_restore
 from kmp import _keras_internals
 from kmp import backends
+from kmp.backup import _atomic_files
+from kmp.backup import _choice as _backup_choice
+from kmp.backup import _folder as _backup_folder
+from kmp.backup import _records as _backup_records
+from kmp.backup import _restore as _backup_restore
 
 # What a worker whose metadata cannot be read reports as its latest backup.
 _UNREADABLE = _backup_choice.UNREADABLE
@@ -139,14 +139,14 @@ def write_atomically(filepath, write):
 
 def _this_worker(strategy):
     """`(task name, is chief)` in a cluster of several workers, else `None`
-    (the running backend's `checkpoint.this_worker`)."""
+    (the running backend's `workers.this_worker`)."""
     return backends.get("workers").this_worker(strategy)
 
 
 def _gather_from_workers(strategy, task, value):
     """`{task name: value}` over the cluster's workers, `value` an int: an
     all-gather every worker makes at the same point (the running backend's
-    `checkpoint.gather_from_workers`)."""
+    `workers.gather_from_workers`)."""
     return backends.get("workers").gather_from_workers(strategy, task, value)
 
 

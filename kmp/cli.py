@@ -180,7 +180,7 @@ def _fail(args, code, message, report=None):
 
 
 def _devices(doctor):
-    from kmp import _hardware
+    from kmp.precision import _hardware
 
     gpus = []
     for device, details in _hardware._gpus():
@@ -264,7 +264,7 @@ def _benchmark(doctor, device, seconds, devices):
     Each op gets half the budget, and its three dtypes take turns, so a
     machine that is busy for a moment slows all three alike.
     """
-    from kmp import _hardware
+    from kmp.precision import _hardware
 
     on_gpu = device == doctor.device(on_gpu=True)
     results = []

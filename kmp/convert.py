@@ -1,7 +1,7 @@
 """kmp.convert and kmp.summary: bring any Keras model under a precision policy.
 
 `kmp.summary`'s rows (each layer's dtypes, and why) and the table it prints
-come from `kmp/_layer_dtypes.py`.
+come from `kmp/precision/_layer_dtypes.py`.
 """
 
 import contextlib
@@ -11,12 +11,12 @@ import warnings
 
 import keras
 
-from kmp import _float32_layers
 from kmp import _keras_internals
-from kmp import _layer_dtypes
-from kmp import _precision
 from kmp import model as model_module
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
+from kmp.precision import _layer_dtypes
+from kmp.precision import _settle as _precision
 
 @contextlib.contextmanager
 def _keras_policy(name):
@@ -404,7 +404,7 @@ def convert(model, policy=None, keep_float32=None, compile=True):
         for you to compile; kmp warns)
     ```
     The result's precision (float32 layers, token ids) is settled on its
-    layers once, here (see `kmp/_precision.py`), not switched per call.
+    layers once, here (see `kmp/precision/_settle.py`), not switched per call.
     The model passed in is never changed, unless it is wrapped: then the
     result shares its layers and weights, and so their policy. A built
     model gives a built result whose `layers` lists what the model's

@@ -8,22 +8,22 @@ float16, float token ids rounded by a 16-bit cast, 16-bit outputs) without
 any data.
 
 This module checks the arguments and copies the model; the measurements are
-in `kmp/_diagnose_probe.py` (its forward and backward passes in the backend's
+in `kmp/diagnosis/_probe.py` (its forward and backward passes in the backend's
 `kmp/backends/<backend>/probe.py`), the static checks in
-`kmp/_diagnose_static.py` and the report in `kmp/_diagnose_report.py`.
+`kmp/diagnosis/_static.py` and the report in `kmp/diagnosis/_report.py`.
 """
 
 import keras
 
-from kmp import _diagnose_probe
 from kmp import _keras_internals
 from kmp import backends
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
-from kmp._diagnose_report import DiagnosisReport
-from kmp._diagnose_static import static_findings
-from kmp._float16 import FLOAT16_MAX  # noqa: F401 (this module's name since 0.1)
-from kmp._float16 import FLOAT16_SMALLEST_NORMAL  # noqa: F401
+from kmp.diagnosis import _probe as _diagnose_probe
+from kmp.diagnosis._float16 import FLOAT16_MAX  # noqa: F401 (this module's name since 0.1)
+from kmp.diagnosis._float16 import FLOAT16_SMALLEST_NORMAL  # noqa: F401
+from kmp.diagnosis._report import DiagnosisReport
+from kmp.diagnosis._static import static_findings
 
 
 def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None):

@@ -25,10 +25,10 @@ import zipfile
 
 import keras
 
-from kmp import _float32_layers
 from kmp import _keras_internals
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
 
 
 def _policy_name(value, argument, caller, none_means):

@@ -8,12 +8,12 @@ One order of operations, written once:
     updates; or skip -> update the scale
 
 This module holds what a user sees: the rule, `update_loss_scale` (a pure
-function; `kmp._scaling_rule`), and `LossScaleOptimizer`, which keeps the
+function; `kmp.scaling._rule`), and `LossScaleOptimizer`, which keeps the
 scaler's state in its variables and hands each `apply` to the backend's step
 (`kmp/backends/<backend>/step.py`, built from the parts both backends share
-in `kmp._scaling_step`). What a train step tells the scaler and what the
-scaler answers is `kmp._handoff`'s, in one place; the constructor's checks
-are `kmp._scaler_settings`'.
+in `kmp.scaling._step`). What a train step tells the scaler and what the
+scaler answers is `kmp.scaling._handoff`'s, in one place; the constructor's checks
+are `kmp.scaling._settings`'.
 
 Clipping is the inner optimizer's own: `clipnorm`, `global_clipnorm` and
 `clipvalue` of the scaler are the inner optimizer's attributes (read and
@@ -30,15 +30,15 @@ whole and counted once, and the scale changes only between windows.
 import keras
 from keras import ops
 
-from kmp import _handoff
 from kmp import _keras_internals
-from kmp import _scaler_settings as settings
-from kmp import _scaling_rule
-from kmp import _scaling_step
 from kmp import backends
-from kmp._gradients import all_finite  # noqa: F401  (public in this module)
-from kmp._scaling_rule import LossScaleState  # noqa: F401  (public in this module)
-from kmp._scaling_rule import update_loss_scale  # noqa: F401  (public in this module)
+from kmp.scaling import _handoff
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _settings as settings
+from kmp.scaling import _step as _scaling_step
+from kmp.scaling._gradients import all_finite  # noqa: F401  (public in this module)
+from kmp.scaling._rule import LossScaleState  # noqa: F401  (public in this module)
+from kmp.scaling._rule import update_loss_scale  # noqa: F401  (public in this module)
 
 _COUNTERS = _scaling_rule.COUNTERS
 _COUNTER_DTYPE = _scaling_rule.COUNTER_DTYPE
@@ -75,7 +75,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Gradients of a loss that did not go through `scale_loss` are never
     divided inside `kmp.Model`'s train step, and divided as Keras divides
-    them elsewhere, with a warning either way (see this module's docstring).
+    them elsewhere, with a warning either way (see `kmp.scaling._handoff`).
     On JAX, `stateless_apply` and `stateless_scale_loss` are the same step as
     pure functions of values. Checkpoints and `.keras` files carry the state.
 
@@ -216,7 +216,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # The name Keras' LossScaleOptimizer gives its scale variable.
     dynamic_scale = property(lambda self: self._kmp_scale)
 
-    # The inner optimizer's, read and written there (`_clipping_accessors`).
+    # The inner optimizer's, read and written there (`kmp.scaling._settings`).
     clipnorm = property(*settings.clipping_accessors("clipnorm"))
     global_clipnorm = property(*settings.clipping_accessors("global_clipnorm"))
     clipvalue = property(*settings.clipping_accessors("clipvalue"))

@@ -7,16 +7,16 @@ import keras
 import numpy as np
 
 from kmp import _keras_internals
-from kmp import _model_step
-from kmp import _precision
-from kmp import _scaler_settings
+from kmp.scaling import _model_step
+from kmp.precision import _settle as _precision
+from kmp.scaling import _settings as _scaler_settings
 from kmp import backends
 from kmp import export as export_module
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
-from kmp._float32_layers import _computes_in_float16
-from kmp._float32_layers import _to_float32
-from kmp._float32_layers import _unsettled_config
+from kmp.precision._float32_layers import _computes_in_float16
+from kmp.precision._float32_layers import _to_float32
+from kmp.precision._float32_layers import _unsettled_config
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _LOSS_SCALE_CHOICES = (

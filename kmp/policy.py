@@ -6,12 +6,12 @@ reads Keras' (so a policy set through `keras.config.set_dtype_policy` is seen
 too). kmp adds three things Keras does not have: `"auto"`, which picks the
 fastest safe policy for the hardware; float32 "islands", layers that compute
 in float32 inside a `kmp.Model` and hand the compute dtype on (settled
-when the model is built, see `kmp/_precision.py`); and a `loss_scaling` flag that `kmp.Model.compile` reads.
+when the model is built, see `kmp/precision/_settle.py`); and a `loss_scaling` flag that `kmp.Model.compile` reads.
 
 This module holds the policies and their global state; `"auto"`'s hardware
-rule is in `kmp/_hardware.py`, the `keep_float32` rules in
-`kmp/_keep_float32.py`, and which layers compute in float32 in
-`kmp/_float32_layers.py`.
+rule is in `kmp/precision/_hardware.py`, the `keep_float32` rules in
+`kmp/precision/_keep_float32.py`, and which layers compute in float32 in
+`kmp/precision/_float32_layers.py`.
 """
 
 import contextlib
@@ -19,14 +19,14 @@ import logging
 
 import keras
 
-from kmp import _hardware
-from kmp._float32_layers import _builtin_rules
-from kmp._float32_layers import _plan as _plan_float32_layers
-from kmp._keep_float32 import _Float32Rules
+from kmp.precision import _hardware
+from kmp.precision._float32_layers import _builtin_rules
+from kmp.precision._float32_layers import _plan as _plan_float32_layers
+from kmp.precision._keep_float32 import _Float32Rules
 
 # Public names of this module since 0.1, defined with the float32 layers.
-from kmp._float32_layers import FLOAT32_LAYER_CLASSES  # noqa: F401
-from kmp._float32_layers import KEEP_FLOAT32_CLASSES  # noqa: F401
+from kmp.precision._float32_layers import FLOAT32_LAYER_CLASSES  # noqa: F401
+from kmp.precision._float32_layers import KEEP_FLOAT32_CLASSES  # noqa: F401
 
 
 _LOGGER = logging.getLogger("kmp")
@@ -302,14 +302,14 @@ def _resolve_policy(value, argument, caller, none_means=None):
 
 def _resolve_auto():
     """The `Policy` `"auto"` picks here; its `reason` says why
-    (`kmp/_hardware.py` holds the rule)."""
+    (`kmp/precision/_hardware.py` holds the rule)."""
     name, reason = _hardware._auto_policy()
     return Policy(name, reason=f"auto: {reason}")
 
 
 def _float32_plan(model, rules=None):
     """Which layers of `model` compute in float32, and why: the plan of
-    `kmp/_float32_layers.py` under kmp's list, the global `keep_float32`
+    `kmp/precision/_float32_layers.py` under kmp's list, the global `keep_float32`
     (from `set_policy`) and `rules` (a model's own `_Float32Rules`, or
     `None`)."""
     return _plan_float32_layers(model, _builtin_rules() + _global_keep_float32 + rules)

@@ -26,8 +26,8 @@ import pytest
 
 import kmp
 from _helpers import child_env
-from kmp import _atomic_files
 from kmp import checkpoint as checkpoint_module
+from kmp.backup import _atomic_files
 
 STEPS_PER_EPOCH = 3
 

@@ -13,8 +13,8 @@ import tensorflow as tf
 
 import kmp
 from kmp import _command
-from kmp import _hardware
 from kmp import cli
+from kmp.precision import _hardware
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 

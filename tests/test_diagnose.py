@@ -9,7 +9,7 @@ import tensorflow as tf
 from keras import ops
 
 import kmp
-from kmp import _diagnose_probe
+from kmp.diagnosis import _probe as _diagnose_probe
 
 
 def _dense_model(names, units, policy="float32"):

@@ -16,8 +16,8 @@ from _helpers import assert_close_to_float16_rounding
 from _helpers import child_env
 from _helpers import float32_compute_dtype
 from _helpers import graph_dtypes
-from kmp import _float32_layers
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
 
 # How far apart outputs of these two-layer models may be, in roundings to the
 # 16-bit type (see `_helpers.float16_tolerance`; one rounding moves a value by

@@ -50,7 +50,7 @@ def test_without_retries_the_same_run_drops_the_first_batches():
 
 
 def test_after_the_first_applied_step_auto_gives_one_retry():
-    from kmp import _model_step
+    from kmp.scaling import _model_step
 
     model, _ = _overflowing_regression(2)
     assert int(_model_step.retry_budget(model, model.optimizer)) == _model_step._AUTO_RETRIES == 1
@@ -59,7 +59,7 @@ def test_after_the_first_applied_step_auto_gives_one_retry():
 
 
 def test_auto_has_no_retries_where_they_cannot_run(mirrored_strategy):
-    from kmp import _model_step
+    from kmp.scaling import _model_step
 
     kmp.set_policy("mixed_float16")
     with mirrored_strategy.scope():
@@ -253,7 +253,7 @@ def test_the_scaler_kmp_made_retries_and_a_user_can_ask_for_retries():
 
 
 def test_who_made_the_scaler_survives_recompile_keras_file_and_load_model(tmp_path):
-    from kmp import _model_step
+    from kmp.scaling import _model_step
 
     def retries(model):
         return _model_step.retry_budget(model, model.optimizer) is not None

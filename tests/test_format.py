@@ -4,10 +4,10 @@ import doctest
 
 import pytest
 
-from kmp import _diagnose_report
 from kmp import _format
-from kmp import _monitor_messages
 from kmp._format import format_scale
+from kmp.diagnosis import _report as _diagnose_report
+from kmp.monitor import _messages as _monitor_messages
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from _helpers import ReferenceScaler
 from keras import ops
 
 import kmp
-from kmp import _hardware
+from kmp.precision import _hardware
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="the KERAS_BACKEND=jax pass runs it"
@@ -129,7 +129,7 @@ def test_the_progress_bar_shows_the_scale_as_an_integer_and_the_skips(capsys):
     assert skipped >= 1
     if tuple(int(part) for part in keras.__version__.split(".")[:2]) >= (3, 12):
         assert f"loss_scale: {scale} - skipped_steps: {skipped}" in out
-    else:  # Keras 3.10 and 3.11 format every value themselves (kmp/_progbar.py)
+    else:  # Keras 3.10 and 3.11 format every value themselves (kmp/monitor/_progbar.py)
         assert f"loss_scale: {scale}.0000 - skipped_steps: {skipped}.0000" in out
     # And the line fit ends with, since no monitor is attached.
     assert f"{skipped} of 2 training steps were skipped" in out

@@ -1,4 +1,4 @@
-"""kmp._ledger.Ledger: the monitor's numbers, checked without Keras training.
+"""kmp.monitor._ledger.Ledger: the monitor's numbers, checked without Keras training.
 
 Records are the optimizer's running counters `(step, skipped_total,
 forward_total, consecutive, consecutive_forward)` after a step or an
@@ -11,8 +11,8 @@ import doctest
 import hypothesis
 from hypothesis import strategies as st
 
-from kmp import _ledger
-from kmp._ledger import Ledger
+from kmp.monitor import _ledger
+from kmp.monitor._ledger import Ledger
 
 
 def _no_names():

@@ -326,7 +326,7 @@ def test_config_round_trip_keeps_names_and_refuses_instances(gan, tmp_path):
 def test_message_examples_run():
     import doctest
 
-    from kmp import _monitor_messages
+    from kmp.monitor import _messages as _monitor_messages
 
     result = doctest.testmod(_monitor_messages)
     assert result.attempted > 0 and result.failed == 0

@@ -4,9 +4,9 @@ import pytest
 
 from _helpers import DtypeProbe
 import kmp
-from kmp import _float32_layers
-from kmp import _hardware
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
+from kmp.precision import _hardware
 
 
 @pytest.mark.parametrize(
@@ -156,10 +156,10 @@ def test_cpu_flags_parses_cpuinfo(tmp_path):
     ],
 )
 def test_one_bfloat16_rule_for_auto_diagnose_and_doctor(monkeypatch, gpus, flags, native):
-    from kmp import _diagnose_probe
+    from kmp.diagnosis import _probe as _diagnose_probe
 
     assert _hardware._runs_bfloat16(gpus, flags) is native
-    # "auto" and kmp.diagnose's probe both read the hardware in kmp/_hardware.py.
+    # "auto" and kmp.diagnose's probe both read the hardware in kmp/precision/_hardware.py.
     monkeypatch.setattr(_hardware, "_gpu_compute_capabilities", lambda: gpus)
     monkeypatch.setattr(_hardware, "_cpu_flags", lambda: flags)
     assert _diagnose_probe.hardware_has_bfloat16() is native

@@ -19,7 +19,7 @@ from keras import ops
 
 from _helpers import EPSILON
 import kmp
-from kmp import _token_ids
+from kmp.precision import _token_ids
 
 MAXLEN, VOCABULARY, WIDTH = 8, 20000, 8
 # Each of the first four is rounded by float16 (to 2048, 4096, 8192 and the

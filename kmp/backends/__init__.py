@@ -13,7 +13,7 @@ it is asked for, so `import kmp` under `KERAS_BACKEND=jax` imports no
 TensorFlow.
 
 A backend module may import the core; the core imports a backend module only
-through `get`, inside the function that needs it (`kmp._gradients` takes
+through `get`, inside the function that needs it (`kmp.scaling._gradients` takes
 `gradients`, which imports nothing of kmp's, at import).
 """
 

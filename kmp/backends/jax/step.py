@@ -1,7 +1,7 @@
 """The loss-scaled step on JAX: a pure function of values.
 
 JAX traces a step once and runs it as a pure function of its state, so the
-step is `kmp._scaling_step.stateless_step` (the finiteness decision, the
+step is `kmp.scaling._step.stateless_step` (the finiteness decision, the
 unscaling and the rule shared with TensorFlow); `apply` runs it and assigns
 what it returns, or, outside a trace, decides on the host and lets the inner
 optimizer's own `apply` update (a sparse gradient then reaches it as it is).
@@ -14,12 +14,12 @@ import contextlib
 import jax
 from keras import ops
 
-from kmp import _handoff
 from kmp import _keras_internals
-from kmp import _scaling_rule
-from kmp import _scaling_step
+from kmp.scaling import _handoff
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _step as _scaling_step
 
-# The line a warning asks for (`kmp._handoff`): JAX's steps are stateless.
+# The line a warning asks for (`kmp.scaling._handoff`): JAX's steps are stateless.
 ADD_LINE = ("Add one line in the function you differentiate, `scaled_loss = "
             "{attribute}.scale_loss(loss)` (in a `jax.grad` loop of your own, outside "
             "kmp.Model's train step: `scaled_loss = {attribute}.stateless_scale_loss("
@@ -61,7 +61,7 @@ def apply(optimizer, grads, trainable_variables, *, divide, loss, request):
     answer's `retry` is `None`.
 
     Returns:
-        The `kmp._handoff.StepAnswer`.
+        The `kmp.scaling._handoff.StepAnswer`.
     """
     built = _keras_internals.built_variables(optimizer)
     positions = {id(v): i for i, v in enumerate(built)}

@@ -4,7 +4,7 @@ JAX traces a train step once and runs it as a pure function of its state:
 Keras' JAX trainer passes every variable's value in and takes the new values
 out (`stateless_apply`), and a branch (`jax.lax.cond`) must return what it
 changes instead of assigning it. So the loss-scaled step is
-`kmp._scaling_step.stateless_step`, a function of values:
+`kmp.scaling._step.stateless_step`, a function of values:
 
 ```
 finite = all(isfinite(grads))                  # one program over all devices
@@ -33,11 +33,11 @@ import jax
 import keras
 from keras import ops
 
-from kmp import _handoff
+from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp import _model_step
-from kmp import _scaling_rule
-from kmp import _scaling_step
+from kmp.scaling import _model_step
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _step as _scaling_step
 from kmp import loss_scale as loss_scale_module
 from kmp.backends.jax import unsupported
 

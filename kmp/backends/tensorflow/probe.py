@@ -4,14 +4,14 @@ The probe runs a batch through a model that returns every layer's outputs
 beside the model's outputs, and differentiates the loss times the loss scale
 with respect to each layer's outputs and each of its trainable weights, under
 a `tf.GradientTape`. What the values mean, and what is done with them, is
-backend-neutral and lives in `kmp/_diagnose_probe.py`.
+backend-neutral and lives in `kmp/diagnosis/_probe.py`.
 """
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp import _diagnose_probe
+from kmp.diagnosis import _probe as _diagnose_probe
 
 
 def check_supported():

@@ -31,7 +31,7 @@ no-merge-call path).
 import tensorflow as tf
 from keras import ops
 
-from kmp import _gradients
+from kmp.scaling import _gradients
 from kmp import _keras_internals
 
 

@@ -4,17 +4,17 @@
 The same names as `kmp/backends/jax/step.py`: `apply` (the scaler's
 `apply`), `snapshot`, `outside_functions`, `usable_here`, `check_buildable`
 and `ADD_LINE`. The math shared with JAX (the finiteness decision,
-unscaling, the next scale and counters) is `kmp._scaling_step`'s.
+unscaling, the next scale and counters) is `kmp.scaling._step`'s.
 """
 
 import tensorflow as tf
 from keras import ops
 
-from kmp import _handoff
+from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp import _scaling_rule
-from kmp import _scaling_step
-from kmp._scaler_settings import CLIPPING
+from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _step as _scaling_step
+from kmp.scaling._settings import CLIPPING
 from kmp.backends.tensorflow import replicas as replicas_module
 
 # The line a warning asks for (`kmp._handoff`).
@@ -54,7 +54,7 @@ def apply(optimizer, grads, variables, *, divide, loss, request):
     """`LossScaleOptimizer.apply` on TensorFlow (see `_step`).
 
     Returns:
-        The `kmp._handoff.StepAnswer`.
+        The `kmp.scaling._handoff.StepAnswer`.
     """
     retries_left = request.retries_left if request else None
     defer = bool(request and request.defer)

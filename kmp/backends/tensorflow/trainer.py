@@ -19,7 +19,7 @@ import tensorflow as tf
 from keras import ops
 
 from kmp import _keras_internals
-from kmp import _model_step
+from kmp.scaling import _model_step
 from kmp import loss_scale as loss_scale_module
 from kmp.backends.tensorflow import distribute as distribute_module
 

@@ -2,7 +2,7 @@
 
 Under a `tf.distribute.MultiWorkerMirroredStrategy` with several workers,
 each worker keeps its own backup folder and the workers agree on one backup
-to restore through all-gathers (`kmp/_backup_choice.py`); these are the
+to restore through all-gathers (`kmp/backup/_choice.py`); these are the
 TensorFlow side of that: which worker this process is, and the all-gather.
 """
 

@@ -15,12 +15,12 @@ import math
 import keras
 import numpy as np
 
-from kmp import _hardware
 from kmp import backends
-from kmp._float16 import OVERFLOW_AT
-from kmp._float16 import SUBNORMAL_BELOW
-from kmp._float16 import ZERO_AT_MOST
 from kmp._format import format_scale
+from kmp.diagnosis._float16 import OVERFLOW_AT
+from kmp.diagnosis._float16 import SUBNORMAL_BELOW
+from kmp.diagnosis._float16 import ZERO_AT_MOST
+from kmp.precision import _hardware
 
 # Scales searched for the recommendation: 2**-24 ... 2**24.
 MIN_SCALE_EXPONENT = -24

@@ -12,9 +12,9 @@ but the files it writes (`_backup_records.is_own_file`).
 import os
 import stat
 
-from kmp import _atomic_files
-from kmp import _backup_lock
-from kmp import _backup_records
+from kmp.backup import _atomic_files
+from kmp.backup import _lock as _backup_lock
+from kmp.backup import _records as _backup_records
 
 
 class BackupFolder:

@@ -13,7 +13,7 @@ settle(model):
     cast-backs: an island whose outputs reach code Keras does not cast (a
         subclassed layer's `x + residual`, a nested model's outputs) hands
         its outputs on in the dtype it had (`_cast_back`)
-    token ids: see `kmp/_token_ids.py` (`settle`)
+    token ids: see `kmp/precision/_token_ids.py` (`settle`)
 ```
 
 A layer belongs to the model it is settled by: a model that shares it (a
@@ -26,10 +26,10 @@ import threading
 
 import keras
 
-from kmp import _float32_layers
 from kmp import _keras_internals
-from kmp import _token_ids
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
+from kmp.precision import _token_ids
 
 # Two threads calling a model for the first time settle it once.
 _SETTLING = threading.RLock()

@@ -11,7 +11,7 @@ range. `Embedding` itself does not autocast (Keras sets `autocast=False`);
 the layers around it do.
 
 Settled once, when a `kmp.Model` is first called, converted or loaded
-(`settle`, called by `kmp._precision.settle`), on the model's own layers:
+(`settle`, called by `kmp.precision._settle.settle`), on the model's own layers:
 
 ```
 id layers:  every Embedding (its first argument), and every layer whose
@@ -43,9 +43,9 @@ import warnings
 
 import keras
 
-from kmp import _float32_layers
-from kmp import _keep_float32
 from kmp import _keras_internals
+from kmp.precision import _float32_layers
+from kmp.precision import _keep_float32
 
 # The largest integer below which every integer is exact: 2**(significand
 # bits + 1). float16 has 10 stored significand bits, bfloat16 7.
@@ -289,7 +289,7 @@ def settle(model):
     """Keeps `model`'s token ids exact where they can be, once; warns where not.
 
     See the module docstring. A model with no layer in 16 bits is left as it
-    is. Called by `kmp._precision.settle`.
+    is. Called by `kmp.precision._settle.settle`.
     """
     layers = _keras_internals.nested_layers(model, include_self=True, recursive=True)
     if not any(_computes_in_sixteen_bits(layer) for layer in layers):

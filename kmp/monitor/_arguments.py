@@ -11,8 +11,8 @@ import os
 import keras
 
 from kmp import loss_scale as loss_scale_module
-from kmp._optimizers import optimizers_by_attribute
-from kmp._optimizers import scaling_optimizers
+from kmp.scaling._optimizers import optimizers_by_attribute
+from kmp.scaling._optimizers import scaling_optimizers
 
 _OPTIMIZERS_RULE = (
     "`optimizers` must be None (every kmp.LossScaleOptimizer the model holds) "

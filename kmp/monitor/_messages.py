@@ -1,6 +1,6 @@
 """What `LossScaleMonitor` and kmp's progress bar say about skipped steps.
 
-Each function turns numbers (an epoch summary of `kmp._ledger.Ledger`, a stop
+Each function turns numbers (an epoch summary of `kmp.monitor._ledger.Ledger`, a stop
 step) into the text people read: the epoch line, the skip-rate warning with
 its likely causes, the reason training was stopped.
 """

@@ -14,9 +14,9 @@ import textwrap
 import keras
 
 from kmp import _keras_internals
-from kmp import _token_ids
-from kmp._float16 import FLOAT16_SMALLEST_NORMAL
-from kmp._float16 import OVERFLOW_AT
+from kmp.diagnosis._float16 import FLOAT16_SMALLEST_NORMAL
+from kmp.diagnosis._float16 import OVERFLOW_AT
+from kmp.precision import _token_ids
 
 # Keras layers that add their epsilon in float32 whatever their compute dtype
 # (their statistics are computed in at least float32).
@@ -213,7 +213,7 @@ def _token_id_findings(model, reduced):
     """Layers of the graph that cast float ids to integers after a 16-bit cast.
 
     A layer of `reduced`'s graph that is, or holds, a layer casting its input
-    to integer ids (`kmp._token_ids.id_arguments`), whose first input is
+    to integer ids (`kmp.precision._token_ids.id_arguments`), whose first input is
     floating and either 16-bit already or cast to 16 bits by the layer's own
     autocast. Skipped where every id is exact anyway (an embedding of at
     most 2049 rows in float16, 257 in bfloat16).

@@ -5,7 +5,7 @@ computes in float32 in training, those `kmp.export` serves in float32), the
 plan that says which layers of a model become float32 islands and why
 (`_plan`; `kmp.policy._float32_plan` adds the global rules), the dtype
 policy such a layer gets (`_Float32Policy`), and the casts around them. The policy a model settles is applied by
-`kmp/_precision.py`; the rules a user adds come from `kmp/_keep_float32.py`.
+`kmp/precision/_settle.py`; the rules a user adds come from `kmp/precision/_keep_float32.py`.
 """
 
 import contextlib
@@ -14,8 +14,8 @@ import keras
 
 from kmp import _keras_internals
 from kmp import backends
-from kmp._keep_float32 import _Float32Rules
-from kmp._keep_float32 import _layer_label
+from kmp.precision._keep_float32 import _Float32Rules
+from kmp.precision._keep_float32 import _layer_label
 
 _16_BIT_DTYPES = ("float16", "bfloat16")
 
@@ -272,7 +272,7 @@ def _layer_policies(layers_to_policy):
     The one place kmp changes layers' policies for a while: `kmp.export`
     traces the model in its inference precision and puts the trained
     policies back. A model's own precision is settled once instead (see
-    `kmp/_precision.py`). The previous policies come back in the reverse
+    `kmp/precision/_settle.py`). The previous policies come back in the reverse
     order, also when the block raises or a switch fails halfway.
 
     Args:

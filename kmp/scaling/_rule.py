@@ -11,7 +11,7 @@ import collections
 
 from keras import ops
 
-from kmp import _gradients
+from kmp.scaling import _gradients
 
 COUNTER_DTYPE = _gradients.COUNTER_DTYPE
 

@@ -9,8 +9,8 @@ always exists: the end of `kmp/checkpoint.py`'s docstring).
 
 import warnings
 
-from kmp import _backup_records
-from kmp import _backup_restore
+from kmp.backup import _records as _backup_records
+from kmp.backup import _restore as _backup_restore
 
 # What a worker whose metadata cannot be read reports as its latest backup.
 UNREADABLE = -2

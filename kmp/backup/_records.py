@@ -19,7 +19,7 @@ import stat
 import keras
 import numpy as np
 
-from kmp import _atomic_files
+from kmp.backup import _atomic_files
 
 # `\Z`, not `$`: `$` also matches before a final newline.
 BACKUP_PATTERN = re.compile(r"\Abackup-(\d+)\.weights\.h5\Z", re.ASCII)

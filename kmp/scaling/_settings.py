@@ -11,7 +11,7 @@ import numbers
 import keras
 import numpy as np
 
-from kmp import _gradients
+from kmp.scaling import _gradients
 
 # The largest values the state variables hold: the scale is float32, the
 # counters (`growth_interval`, `hysteresis` among them) int64.

@@ -3,8 +3,8 @@
 import json
 import math
 
-from kmp._diagnose_probe import MIN_SCALE_EXPONENT
 from kmp._format import format_scale
+from kmp.diagnosis._probe import MIN_SCALE_EXPONENT
 
 
 class DiagnosisReport:

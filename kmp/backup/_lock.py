@@ -14,7 +14,7 @@ import os
 import socket
 import stat
 
-from kmp import _atomic_files
+from kmp.backup import _atomic_files
 
 try:
     import fcntl

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 
 from kmp import _user_line
-from kmp._ledger import REASON_FORWARD
+from kmp.monitor._ledger import REASON_FORWARD
 
 
 def write_plot(path, history):
@@ -18,7 +18,7 @@ def write_plot(path, history):
 
     Args:
         path: String. Where to write the PNG; its directory is created.
-        history: Dict of lists, as `kmp._ledger.Ledger.history`: `step`,
+        history: Dict of lists, as `kmp.monitor._ledger.Ledger.history`: `step`,
             `loss`, `loss_scale`, `scale_before`, `reason`.
     """
     try:

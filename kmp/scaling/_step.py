@@ -8,7 +8,7 @@ so the math is written once:
   overflowed while a monitor watches;
 - `unscale`: the one place kmp divides gradients by the scale;
 - `state_after`: the scaler's own variables after a step, by the rule of
-  `kmp._scaling_rule` (the TensorFlow step assigns them, `assign_state`);
+  `kmp.scaling._rule` (the TensorFlow step assigns them, `assign_state`);
 - `stateless_step`: the whole step as a pure function of values, as Keras'
   JAX trainer calls it (`stateless_apply`):
 
@@ -24,10 +24,10 @@ own = state_after(scale, counters, finite)             # the same pure rule
 import keras
 from keras import ops
 
-from kmp import _gradients
-from kmp import _handoff
+from kmp.scaling import _gradients
+from kmp.scaling import _handoff
 from kmp import _keras_internals
-from kmp import _scaling_rule
+from kmp.scaling import _rule as _scaling_rule
 from kmp import backends
 
 
@@ -110,7 +110,7 @@ def state_after(optimizer, scale, counters, decision, flags_before=None):
     Args:
         optimizer: The `kmp.LossScaleOptimizer`.
         scale, counters: Its scale and `counters` dict before the step.
-        decision: The step's `kmp._scaling_rule.Decision`.
+        decision: The step's `kmp.scaling._rule.Decision`.
         flags_before: The `nonfinite_gradients` value before the step, or
             `None` to read it (only needed while a monitor watches).
 

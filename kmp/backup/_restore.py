@@ -8,8 +8,8 @@ import stat
 import tempfile
 import warnings
 
-from kmp import _atomic_files
-from kmp import _backup_records
+from kmp.backup import _atomic_files
+from kmp.backup import _records as _backup_records
 
 
 class UnsafeBackupError(ValueError):

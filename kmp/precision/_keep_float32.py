@@ -5,7 +5,7 @@ of layer classes, layer names and `"re:"` name patterns; `_Float32Rules`
 parses, checks, stores and matches them. A pattern must match in bounded
 time (a `.keras` file carries its model's patterns, and loading one must not
 hang), which `_check_pattern_is_bounded` enforces. Which layers the rules put
-in float32 is decided in `kmp/_float32_layers.py`.
+in float32 is decided in `kmp/precision/_float32_layers.py`.
 """
 
 import re

@@ -9,10 +9,10 @@ import numbers
 import keras
 
 from kmp import _keras_internals
-from kmp import _monitor_messages as messages
 from kmp._format import format_scale
-from kmp._optimizers import read_counters
-from kmp._optimizers import scaling_optimizers
+from kmp.monitor import _messages as messages
+from kmp.scaling._optimizers import read_counters
+from kmp.scaling._optimizers import scaling_optimizers
 
 
 # The logs kmp adds to `fit`'s: each is a current value, not a per-step

@@ -8,8 +8,8 @@ sets itself (`self.d_optimizer = ...`). kmp names each after its attribute.
 import keras
 import numpy as np
 
-from kmp._scaling_step import monitor_state
 from kmp.loss_scale import LossScaleOptimizer
+from kmp.scaling._step import monitor_state
 
 
 def optimizers_by_attribute(model):

@@ -3,11 +3,11 @@ the model runs, why it has them, and the table that shows them."""
 
 import keras
 
-from kmp import _float32_layers
-from kmp import _keep_float32
 from kmp import _keras_internals
 from kmp import model as model_module
 from kmp import policy as policy_module
+from kmp.precision import _float32_layers
+from kmp.precision import _keep_float32
 
 
 def _float32_reasons(model):
@@ -26,7 +26,7 @@ def _float32_reasons(model):
 def _is_model_output(layer, model):
     """Whether `layer`'s outputs are outputs of `model`, a functional model:
     `kmp.Model` hands them on in float32, with no cast back (see
-    `kmp._precision._output_leaves_keras`)."""
+    `kmp.precision._settle._output_leaves_keras`)."""
     if not isinstance(model, _keras_internals.Functional):
         return False
     try:

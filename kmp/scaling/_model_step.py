@@ -1,7 +1,7 @@
 """kmp.Model's train step, what both backends share.
 
 - `inside_model_step` runs a step with each loss scaler the model holds told
-  so (`kmp._handoff`: gradients of a loss that skipped `scale_loss` are then
+  so (`kmp.scaling._handoff`: gradients of a loss that skipped `scale_loss` are then
   applied undivided).
 - `retries_on` and `retry_budget`: whether and how often a batch whose
   gradients overflowed is redone (`overflow_retries`).
@@ -21,9 +21,9 @@ import functools
 import keras
 from keras import ops
 
-from kmp import _float32_layers
-from kmp import _optimizers
-from kmp import _scaling_step
+from kmp.precision import _float32_layers
+from kmp.scaling import _optimizers
+from kmp.scaling import _step as _scaling_step
 from kmp import backends
 from kmp import loss_scale as loss_scale_module
 

@@ -1,10 +1,10 @@
-"""`LossScaleMonitor`'s per-step CSV: one row per `kmp._ledger.Step`."""
+"""`LossScaleMonitor`'s per-step CSV: one row per `kmp.monitor._ledger.Step`."""
 
 import csv
 import math
 import os
 
-from kmp import _monitor_messages as messages
+from kmp.monitor import _messages as messages
 
 CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_variables")
 
@@ -41,7 +41,7 @@ class StepCsv:
         self._file.flush()
 
     def write(self, row):
-        """Writes one `kmp._ledger.Step` (nothing for `None`: no step taken)."""
+        """Writes one `kmp.monitor._ledger.Step` (nothing for `None`: no step taken)."""
         if self._path is None or row is None:
             return
         if self._file is None:

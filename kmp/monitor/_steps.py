@@ -3,7 +3,7 @@ are read.
 
 Each step's counters, loss and loss scale come from the values the train step
 returns (or, where it returns none, from the optimizer); they wait in a list
-until processed in batches, then go to the optimizer's `kmp._ledger.Ledger`
+until processed in batches, then go to the optimizer's `kmp.monitor._ledger.Ledger`
 and its CSV. At the end of the fit its plot is drawn from the ledger.
 """
 
@@ -13,13 +13,13 @@ import os
 import numpy as np
 
 from kmp import _keras_internals
-from kmp import _monitor_messages as messages
-from kmp import _scaling_step
-from kmp._ledger import Ledger
-from kmp._monitor_csv import StepCsv
-from kmp._monitor_plot import write_plot
-from kmp._optimizers import read_counters
-from kmp._optimizers import retries
+from kmp.monitor import _messages as messages
+from kmp.monitor._csv import StepCsv
+from kmp.monitor._ledger import Ledger
+from kmp.monitor._plot import write_plot
+from kmp.scaling import _step as _scaling_step
+from kmp.scaling._optimizers import read_counters
+from kmp.scaling._optimizers import retries
 
 
 def _loss_log(name):

@@ -1,0 +1,15 @@
+"""Precision: which dtype each layer computes and stores in, settled once.
+
+The public side is `kmp/policy.py` (`kmp.Policy`, `"auto"`, `keep_float32`)
+and `kmp.convert`/`kmp.summary` (`kmp/convert.py`); this folder holds what
+they and `kmp.Model` share:
+
+- `_hardware.py`: the hardware behind policy `"auto"` (GPUs, CPU flags).
+- `_float32_layers.py`: which layers compute in float32 in a 16-bit model,
+  and kmp's `_Float32Policy` for them.
+- `_keep_float32.py`: the user's `keep_float32` rules.
+- `_settle.py`: a model's precision, settled once on its own layers.
+- `_token_ids.py`: token ids that reach an embedding as 16-bit floats, kept
+  exact (`_ExactIdsPolicy`).
+- `_layer_dtypes.py`: what `kmp.summary` reports for each layer.
+"""

@@ -266,7 +266,7 @@ class Model(_keras_internals.ModelBase):
     def __call__(self, *args, **kwargs):
         # Precision is settled on the first call (fit's symbolic build is
         # one), once: float32 layers, cast-backs and token ids are the
-        # layers' own policies from then on (see kmp/_precision.py).
+        # layers' own policies from then on (see kmp/precision/_settle.py).
         _precision.settle_once(self)
         return _to_float32(super().__call__(*args, **kwargs))
 

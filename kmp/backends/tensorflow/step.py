@@ -17,7 +17,7 @@ from kmp.scaling import _step as _scaling_step
 from kmp.scaling._settings import CLIPPING
 from kmp.backends.tensorflow import replicas as replicas_module
 
-# The line a warning asks for (`kmp._handoff`).
+# The line a warning asks for (`kmp.scaling._handoff`).
 ADD_LINE = ("Add one line inside the tape, `scaled_loss = {attribute}.scale_loss(loss)`, "
             "and take `tape.gradient(scaled_loss, ...)`")
 

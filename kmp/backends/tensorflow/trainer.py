@@ -267,7 +267,7 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
         return
 
     def attempt(count, retry, loss):
-        # An input of the scaler's step (`kmp._handoff.StepRequest`).
+        # An input of the scaler's step (`kmp.scaling._handoff.StepRequest`).
         with optimizer._kmp_record.asking(retries_left=retries - count):
             new_loss, new_retry = _one_attempt(model, data, optimizer, keras_train_step)
         return count + 1, new_retry, ops.cast(new_loss, "float32")
@@ -313,7 +313,7 @@ def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
     record = optimizer._kmp_record
 
     def attempt(count):
-        # Inputs of the scaler's step (`kmp._handoff.StepRequest`).
+        # Inputs of the scaler's step (`kmp.scaling._handoff.StepRequest`).
         with record.asking(retries_left=retries - count, defer=True):
             loss, retry = _one_attempt(model, data, optimizer, keras_train_step)
         answer = record.answer

@@ -352,9 +352,6 @@ class Model(_keras_internals.ModelBase):
         if optimizer is not given and users_scaler is None:
             # kmp made this scaler: it goes on from the last one.
             _continue_scaling(self, previous, optimizer)
-        # The mean loss of the epoch's skipped steps (see `train_step`); not
-        # one of the model's metrics, so not in the logs itself.
-        object.__setattr__(self, "_kmp_skipped_losses", keras.metrics.Mean(name="skipped_loss"))
 
     def get_compile_config(self):
         return _with_scaling_settings(self, super().get_compile_config())
@@ -413,11 +410,6 @@ class Model(_keras_internals.ModelBase):
         `train_step(state, data)` as Keras' JAX trainer calls it (see
         `kmp/backends/jax/trainer.py`)."""
         return backends.get("trainer").train_step(self, *args, super().train_step, **kwargs)
-
-    def reset_metrics(self):
-        super().reset_metrics()
-        if getattr(self, "_kmp_skipped_losses", None) is not None:
-            self._kmp_skipped_losses.reset_state()
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:

@@ -220,3 +220,43 @@ def test_overflow_retries_with_gradient_accumulation_is_refused_clearly():
     x, y = _data()
     with pytest.raises(ValueError, match="`overflow_retries` cannot be combined"):
         model.fit(x, y, batch_size=8, verbose=0)
+
+
+_NO_STEP_APPLIED = """
+import json, sys
+import numpy as np, keras, kmp
+kmp.set_policy("mixed_float16")
+inputs = keras.Input((4,))
+model = kmp.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+model.compile(keras.optimizers.SGD(0.01), "mse", overflow_retries=0)
+# Targets 1e6, 2e6, 3e6 per batch: float32 losses of 1e12.., gradients past
+# float16 at every scale down to min_scale: every step skipped.
+x = np.ones((24, 4), "float32")
+y = np.repeat([1e6, 2e6, 3e6], 8).astype("float32")[:, None]
+history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+print(json.dumps({key: [float(v) for v in values] for key, values in history.items()}))
+"""
+
+
+def test_an_epoch_without_an_applied_step_logs_the_same_on_tensorflow_and_jax():
+    """The same run on both backends, every step skipped: the same logs (the
+    last skipped step's loss, the scale, the skips), not a mean on one and
+    the last loss on the other."""
+    import json
+    import subprocess
+    import sys
+
+    from _helpers import child_env
+
+    histories = {}
+    for backend in ("tensorflow", "jax"):
+        result = subprocess.run([sys.executable, "-c", _NO_STEP_APPLIED],
+                                env=dict(child_env(), KERAS_BACKEND=backend),
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        histories[backend] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert histories["tensorflow"] == histories["jax"]
+    assert histories["jax"]["skipped_steps"] == [3, 6]
+    last = float(np.float32(3e6) ** 2)  # the last batch's loss, in float32
+    assert histories["jax"]["loss"] == [last, last]
+    assert histories["jax"]["loss_scale"] == [2.0**12, 2.0**9]

@@ -154,8 +154,8 @@ def train_step(model, data, keras_train_step, attempt=None):
     batch would make the epoch's loss NaN, and `TerminateOnNaN` or
     `EarlyStopping` react to a step that never happened): kmp restores
     the metrics to what they were before a skipped step and counts its
-    loss apart; an epoch in which no step was applied logs the mean loss
-    of its skipped steps.
+    loss out of the epoch's mean; in an epoch in which no step was applied
+    yet the logs carry the (skipped) step's own loss, as on JAX.
 
     `attempt` (an int tensor) is passed by kmp's train function where it
     redoes a batch around this step compiled by XLA
@@ -164,11 +164,9 @@ def train_step(model, data, keras_train_step, attempt=None):
     whether to redo the batch (`distribute.RETRY_LOG`).
     """
     optimizer = model.optimizer
-    skipped_losses = getattr(model, "_kmp_skipped_losses", None)
     if (
         not isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
         or not optimizer.enabled
-        or skipped_losses is None
         # Keras' step applies nothing then (it warns that the model has no
         # trainable weights): no step to skip or redo.
         or not model.trainable_weights
@@ -183,15 +181,21 @@ def train_step(model, data, keras_train_step, attempt=None):
         # kmp's train function redoes the batch around this compiled step
         # (see `kmp.backends.tensorflow.distribute.make_function`): one attempt here.
         with optimizer._kmp_record.asking(retries_left=retries - attempt):
-            _, retry = _one_attempt(model, data, optimizer, keras_train_step)
+            loss, retry = _one_attempt(model, data, optimizer, keras_train_step)
     elif retries is not None:
-        _retry_overflows(model, data, optimizer, retries, keras_train_step)
+        loss = _retry_overflows(model, data, optimizer, retries, keras_train_step)
     else:
-        _one_attempt(model, data, optimizer, keras_train_step)
+        loss, _ = _one_attempt(model, data, optimizer, keras_train_step)
     logs = dict(model.get_metrics_result())
-    if "loss" in logs:
+    if "loss" in logs and loss is not None:
+        # No step applied yet this epoch: the loss of this skipped one, as
+        # on JAX (Keras' mean of no step would be 0). Keras' loss tracker
+        # holds each replica's loss times the replicas, as here.
+        replicas = model.distribute_strategy.num_replicas_in_sync
         logs["loss"] = ops.where(
-            _keras_internals.loss_tracker(model).count > 0, logs["loss"], skipped_losses.result()
+            _keras_internals.loss_tracker(model).count > 0,
+            logs["loss"],
+            ops.cast(loss, "float32") * replicas,
         )
     if attempt is not None:
         logs[distribute_module.RETRY_LOG] = (
@@ -222,15 +226,6 @@ def _one_attempt(model, data, optimizer, keras_train_step):
     finite = ops.cast(finite, "bool")
     for variable, value in zip(metric_variables, before):
         variable.assign(ops.where(finite, variable.value, value))
-    # Only a dropped batch's loss counts as lost (not one about to be retried).
-    dropped = ops.logical_not(finite)
-    if retry is not None:
-        dropped = ops.logical_and(dropped, ops.logical_not(retry))
-    model._kmp_skipped_losses.update_state(
-        ops.where(dropped, ops.cast(loss, "float32"), 0.0)
-        * model.distribute_strategy.num_replicas_in_sync,
-        sample_weight=ops.cast(dropped, "float32"),
-    )
     return loss, retry
 
 
@@ -251,6 +246,10 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     strategy every replica takes the same decision (on all-reduced
     gradients), so all retry together. Under XLA the loop takes another
     shape (`_retry_overflows_compiled`).
+
+    Returns:
+        The unscaled loss of the attempt that counted (`None` where none
+        was recorded).
     """
     if not _keras_internals.supports_no_merge_call():
         raise ValueError(
@@ -263,8 +262,7 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
         )
 
     if _keras_internals.in_xla_context():
-        _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
-        return
+        return _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
 
     def attempt(count, retry, loss):
         # An input of the scaler's step (`kmp.scaling._handoff.StepRequest`).
@@ -288,6 +286,7 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     loss = tf.cond(retry, lambda: redo(count, retry, loss), lambda: loss)
     # The loss of the attempt that counted, for the monitor's logs.
     _answer_loss(optimizer, loss)
+    return loss
 
 
 def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step):
@@ -349,6 +348,7 @@ def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
     deferred.apply_if(finite, grads, scale)
     # The loss of the attempt that counted, for the monitor's logs.
     _answer_loss(optimizer, loss)
+    return loss
 
 
 def _answer_loss(optimizer, loss):

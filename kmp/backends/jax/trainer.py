@@ -36,7 +36,6 @@ from keras import ops
 from kmp.scaling import _handoff
 from kmp import _keras_internals
 from kmp.scaling import _model_step
-from kmp.scaling import _rule as _scaling_rule
 from kmp.scaling import _step as _scaling_step
 from kmp import loss_scale as loss_scale_module
 from kmp.backends.jax import unsupported
@@ -93,16 +92,15 @@ def finish_epoch(model, logs):
 
 
 def _scaler_logs(model, optimizer_values):
-    """`loss_scale` and `skipped_steps` read from a step's new optimizer values."""
+    """`_model_step.scaler_logs`, the logs TensorFlow's step adds, read
+    from a step's new optimizer values."""
     optimizer = model.optimizer
     if not isinstance(optimizer, loss_scale_module.LossScaleOptimizer) or not optimizer.enabled:
         return {}
     if not optimizer.built or len(optimizer_values) != len(optimizer.variables):
         return {}
-    by_id = {id(v): value for v, value in zip(optimizer.variables, optimizer_values)}
-    counters = by_id[id(optimizer._counters)]
-    skipped = _scaling_rule.COUNTERS.index("skipped_steps")
-    return {"loss_scale": by_id[id(optimizer._kmp_scale)], "skipped_steps": counters[skipped]}
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_values))):
+        return _model_step.scaler_logs(model, [optimizer])
 
 
 def train_step(model, state, data, keras_train_step):

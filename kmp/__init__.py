@@ -34,6 +34,7 @@ with _command.keep_import_error():
     _check_backend(_keras.backend.backend())
 
     from kmp import callbacks
+    from kmp import float8
     from kmp.convert import convert
     from kmp.convert import summary
     from kmp.diagnose import DiagnosisReport
@@ -58,6 +59,7 @@ __all__ = [
     "convert",
     "diagnose",
     "export",
+    "float8",
     "get_policy",
     "load_model",
     "policy_scope",

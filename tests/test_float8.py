@@ -1,0 +1,406 @@
+"""kmp.float8: which layers run float8 matmuls, the loss-scale rescaling of
+their gradient histories, what the monitor reports, saving and serving.
+
+Runs on TensorFlow and JAX. A CPU emulates float8, so every model here is
+tiny (at most a few thousand weights).
+"""
+
+import os
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+from keras import ops
+
+import kmp
+from kmp import float8
+
+
+def _mlp(name="mlp", width=32):
+    """32 -> width (relu) -> LayerNorm -> width -> 20 -> 16 -> softmax."""
+    inputs = keras.Input((32,), name="x")
+    h = keras.layers.Dense(width, activation="relu", name="up")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    h = keras.layers.Dense(width, name="mid")(h)
+    h = keras.layers.Dense(20, name="odd")(h)
+    h = keras.layers.Dense(16, name="head")(h)
+    return kmp.Model(inputs, keras.layers.Activation("softmax", name="probs")(h), name=name)
+
+
+def _data(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 32)).astype("float32")
+    y = rng.integers(0, 16, size=(n,)).astype("int32")
+    return x, y
+
+
+# --- the rule ---------------------------------------------------------------
+
+
+def test_the_rule_names_each_reason():
+    kmp.set_policy("mixed_bfloat16", keep_float32=["mid"])
+    inputs = keras.Input((1040,))
+    big = keras.layers.Dense(16, name="big")(inputs)  # K=1040 > 1024: not small
+    small = keras.layers.Dense(32, name="small")(big)  # K=16, N=32: small
+    mid = keras.layers.Dense(32, name="mid")(small)  # keep_float32
+    odd = keras.layers.Dense(20, name="odd")(mid)  # N=20
+    mine = keras.layers.Dense(32, name="mine", dtype="float32")(odd)
+    head = keras.layers.Dense(16, name="head")(mine)
+    model = kmp.Model(inputs, keras.layers.Activation("softmax")(head))
+    reasons = {row["layer"]: row["reason"] for row in float8.plan(model)}
+    assert reasons == {
+        "big": None,
+        "small": "small matmul: K=16 <= 1024 and N=32 <= 4096",
+        "mid": "computes in float32 (keep_float32: 'mid')",
+        "odd": "K=32, N=20: not both multiples of 16",
+        "mine": "dtype= on the layer (float32), kept",
+        "head": "the model's output layer",
+    }
+    unsmall = {row["layer"]: row["float8"] for row in float8.plan(model, skip_small=False)}
+    assert unsmall == {"big": True, "small": True, "mid": False, "odd": False,
+                       "mine": False, "head": False}
+    excluded = {row["layer"]: row["reason"] for row in float8.plan(model, exclude=["re:b.g"])}
+    assert excluded["big"] == "excluded by exclude='re:b.g'"
+
+
+def test_einsum_dense_features_are_its_contracted_and_output_axes():
+    # An attention projection: (hidden=32) -> (heads=2, head_dim=16): K=32, N=32.
+    inputs = keras.Input((4, 32))
+    query = keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, 2, 16),
+                                     name="query")(inputs)
+    out = keras.layers.Dense(16, name="head")(keras.layers.Reshape((4, 32))(query))
+    model = keras.Model(inputs, out)
+    rows = {row["layer"]: row for row in float8.plan(model, skip_small=False)}
+    assert (rows["query"]["K"], rows["query"]["N"], rows["query"]["float8"]) == (32, 32, True)
+
+
+def test_subclasses_and_quantized_layers_stay_out():
+    class MyDense(keras.layers.Dense):
+        pass
+
+    inputs = keras.Input((32,))
+    h = MyDense(32, name="mine")(inputs)
+    h = keras.layers.Dense(32, name="int8")(h)
+    model = keras.Model(inputs, keras.layers.Dense(16, name="head")(h))
+    model.get_layer("int8").quantize("int8")
+    reasons = {row["layer"]: row["reason"] for row in float8.plan(model, skip_small=False)}
+    assert reasons["mine"] == "MyDense subclasses Dense: Keras quantizes Dense and EinsumDense only"
+    assert reasons["int8"] == "quantized already (int8)"
+
+
+# --- enable, convert, summary -------------------------------------------------
+
+
+def test_enable_quantizes_what_the_plan_says_and_summary_says_why():
+    kmp.set_policy("mixed_bfloat16")
+    model = _mlp()
+    rows = float8.enable(model, skip_small=False)
+    assert [(row["layer"], row["float8"]) for row in rows] == [
+        ("up", True), ("mid", True), ("odd", False), ("head", False)]
+    assert [layer.name for layer in float8.float8_layers(model)] == ["up", "mid"]
+    assert model.get_layer("up").dtype_policy.name == "float8_from_mixed_bfloat16"
+    printed = []
+    summary = {row["layer"]: row for row in kmp.summary(model, print_fn=printed.append)}
+    assert summary["up"]["float8"] and summary["mid"]["float8"]
+    assert summary["up"]["compute_dtype"] == "bfloat16"
+    assert summary["up"]["reason"].startswith("float8 matmuls (e4m3 inputs and kernel")
+    assert summary["up"]["reason"].endswith("policy mixed_bfloat16 otherwise")
+    assert summary["odd"]["reason"] == (
+        "policy mixed_bfloat16; not float8: K=32, N=20: not both multiples of 16")
+    assert summary["head"]["reason"].endswith("not float8: the model's output layer")
+    assert not summary["norm"]["float8"] and "not float8" not in summary["norm"]["reason"]
+    assert "float8 matmuls" in printed[0]
+
+
+def test_summary_says_which_layer_exclude_left_out():
+    model = _mlp()
+    float8.enable(model, exclude=["mid"], skip_small=False)
+    summary = {row["layer"]: row["reason"] for row in kmp.summary(model, print_fn=lambda _: None)}
+    assert summary["mid"].endswith("not float8: left out by `exclude` when float8 was enabled")
+
+
+def test_a_model_without_float8_layers_summarizes_as_before():
+    rows = kmp.summary(_mlp(), print_fn=lambda _: None)
+    assert all(not row["float8"] and "float8" not in row["reason"] for row in rows)
+
+
+def test_convert_with_float8_keeps_keep_float32_layers_out():
+    model = keras.Sequential([
+        keras.Input((1040,)),
+        keras.layers.Dense(32, name="first"),  # K=1040: float8 by the default rule
+        keras.layers.Dense(32, name="kept"),
+        keras.layers.Dense(16, name="head"),
+    ])
+    converted = kmp.convert(model, "mixed_bfloat16", float8=True)
+    assert [layer.name for layer in float8.float8_layers(converted)] == ["first"]
+    assert all(layer.dtype_policy.quantization_mode is None for layer in model.layers)
+    with_kept = kmp.convert(model, "mixed_bfloat16", keep_float32=["first"], float8=True)
+    assert float8.float8_layers(with_kept) == []
+
+
+def test_errors_name_the_argument_and_change_nothing():
+    model = _mlp()
+    with pytest.raises(ValueError, match="`exclude` names layers the model does not have: 'nope'"):
+        float8.enable(model, exclude=["nope"], skip_small=False)
+    with pytest.raises(TypeError, match="Received: skip_small='no'"):
+        float8.enable(model, skip_small="no")
+    with pytest.raises(TypeError, match="Received: exclude entry 3"):
+        float8.enable(model, exclude=[3])
+    with pytest.raises(TypeError, match=r"Received: float8='yes'"):
+        kmp.convert(model, float8="yes")
+    assert float8.float8_layers(model) == []
+    with pytest.raises(ValueError, match="needs a built model"):
+        float8.enable(keras.Sequential([keras.layers.Dense(16)]))
+    with pytest.raises(ValueError, match="needs a built model"):
+        kmp.convert(keras.Sequential([keras.layers.Dense(16)]), float8=True)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x, y = _data(8)
+    model.fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match="optimizer is built"):
+        float8.enable(model, skip_small=False)
+    assert float8.float8_layers(model) == []
+
+
+def test_auto_never_picks_float8():
+    policy = kmp.set_policy("auto")
+    assert "float8" not in policy.name
+    model = _mlp()
+    model(np.zeros((1, 32), "float32"))
+    assert float8.float8_layers(model) == []
+
+
+# --- numbers ------------------------------------------------------------------
+
+
+def _e4m3_bound(x, kernel):
+    """The largest |float8 matmul - float32 matmul| Keras' e4m3 quantization
+    allows, elementwise: each operand off by at most 2**-4 of itself (3
+    mantissa bits, round to nearest) or 2**-10 (half the smallest subnormal),
+    with scale 1."""
+    ex = np.maximum(2.0**-4 * np.abs(x), 2.0**-10)
+    ew = np.maximum(2.0**-4 * np.abs(kernel), 2.0**-10)
+    return np.abs(x) @ ew + ex @ np.abs(kernel) + ex @ ew
+
+
+def test_float8_matmul_is_within_e4m3_rounding_of_float64():
+    inputs = keras.Input((32,))
+    model = keras.Model(inputs, keras.layers.Dense(16, use_bias=False, name="d")(inputs))
+    kernel = ops.convert_to_numpy(model.get_layer("d").kernel).astype(np.float64)
+    x, _ = _data(8)
+    exact = x.astype(np.float64) @ kernel
+    model.get_layer("d").quantize("float8")  # scale 1: no history yet
+    served = ops.convert_to_numpy(model(x, training=False)).astype(np.float64)
+    error, bound = np.abs(served - exact), _e4m3_bound(x.astype(np.float64), kernel)
+    assert np.all(error <= bound * (1 + 1e-6))
+    # And the quantization is not a no-op: the error is that of e4m3, not float32's.
+    assert 1e-3 < float(np.max(error / bound)) <= 1.0
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_float8_training_ends_near_float32(policy):
+    """8 epochs of a 2-layer softmax regression: float8 under a 16-bit policy
+    ends within 0.05 of float32's loss (float32: about 1.9 from ln 16 = 2.77)."""
+    x, y = _data(256)
+    losses = {}
+    for name, use_float8 in (("float32", False), (policy, True)):
+        kmp.set_policy(name)
+        keras.utils.set_random_seed(1)
+        model = _mlp(width=32)
+        if use_float8:
+            float8.enable(model, skip_small=False)
+        model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                      loss="sparse_categorical_crossentropy")
+        losses[name] = model.fit(x, y, batch_size=32, epochs=8, verbose=0).history["loss"][-1]
+    assert losses["float32"] < 2.5
+    assert abs(losses[policy] - losses["float32"]) < 0.05, losses
+
+
+def test_histories_hold_the_scaled_gradients_under_mixed_float16():
+    """Keras' float8 records gradients of the scaled loss: the output-gradient
+    amax under mixed_float16 is the loss scale times float32's, which
+    `apply_loss_scale_change` then divides out exactly."""
+    x, y = _data(32)
+    amax = {}
+    for name in ("float32", "mixed_float16"):
+        kmp.set_policy(name)
+        keras.utils.set_random_seed(1)
+        model = _mlp()
+        float8.enable(model, skip_small=False)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy",
+                      **({"loss_scale": 1024.0} if name == "mixed_float16" else {}))
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        amax[name] = float(ops.convert_to_numpy(model.get_layer("mid").outputs_grad_amax_history)[0])
+    # float16 compute: the two amaxes agree to float16's precision after the scale.
+    assert amax["mixed_float16"] / 1024.0 == pytest.approx(amax["float32"], rel=2e-2)
+    _, (history, scale) = float8.gradient_amax_variables(model)  # up, mid
+    before = ops.convert_to_numpy(history).copy()
+    float8.apply_loss_scale_change(model, 1.0, 1024.0)
+    np.testing.assert_allclose(ops.convert_to_numpy(history), before / 1024.0, rtol=1e-7)
+    assert ops.convert_to_numpy(history)[0] == pytest.approx(amax["float32"], rel=2e-2)
+
+
+def test_rescale_is_pure_and_identity_at_ratio_one():
+    history = np.array([1406.0, 703.0, 0.0], np.float32)
+    pairs = [(ops.array(history), ops.array(0.0245)), (ops.zeros((3,)), ops.array(1.0))]
+    same = float8.rescale_gradient_amax(pairs, 8192.0, 8192.0)
+    np.testing.assert_array_equal(ops.convert_to_numpy(same[0][0]), history)
+    grown = float8.rescale_gradient_amax(pairs, 16384.0, 8192.0)
+    np.testing.assert_array_equal(ops.convert_to_numpy(grown[0][0]), [2812.0, 1406.0, 0.0])
+    assert float(grown[0][1]) == pytest.approx(0.049)
+    # Nothing recorded yet: Keras' initial scale of 1 is kept.
+    assert float(grown[1][1]) == 1.0
+    np.testing.assert_array_equal(ops.convert_to_numpy(pairs[0][0]), history)
+
+
+def _e5m2_shares(gradient, scale):
+    """Saturated and flushed shares of `gradient` quantized to e5m2 with
+    `scale`, by Keras' own quantize_and_dequantize."""
+    qdq = ops.convert_to_numpy(keras.quantizers.quantize_and_dequantize(
+        ops.array(gradient), ops.array(scale), "float8_e5m2", "float32"))
+    limit = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max) * scale
+    saturated = float(np.mean(np.abs(gradient) > limit))
+    flushed = float(np.mean((qdq == 0) & (gradient != 0)))
+    return saturated, flushed
+
+
+def _delayed_scale(history):
+    """The scale Keras' float8 layer takes from an amax history."""
+    return float(keras.quantizers.compute_float8_scale(
+        ops.max(ops.array(history)), ops.array(1.0),
+        float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max)))
+
+
+@pytest.mark.parametrize("change, backoffs", [("backoff", 8), ("growth", 1)])
+def test_a_loss_scale_change_breaks_float8_unless_the_history_is_rescaled(change, backoffs):
+    """Gradients spread over 2**-40 .. 2**-4 (log-uniform, 36 binades), as a
+    network's are, recorded at a loss scale of 2**15 for 16 steps. Then the
+    scale changes (8 backoffs: 2**7; or one growth: 2**16) and the next
+    gradient is quantized to e5m2 with the scale Keras takes from the
+    history: stale, or rescaled by `rescale_gradient_amax`.
+
+    Rescaled, the quantization is exactly what it would have been with no
+    change (the ratio is a power of two): 9.3% of the values flush to zero
+    (the 36 binades do not fit e5m2's 32), none saturates. Stale after 8
+    backoffs, 8 more binades flush: 32.7%. Stale after a growth, the top
+    binade (3.1% of the values) saturates at e5m2's maximum."""
+    rng = np.random.default_rng(0)
+    gradients = [2.0 ** rng.uniform(-40, -4, size=4096) * rng.choice([-1, 1], 4096)
+                 for _ in range(17)]
+    old = 2.0**15
+    new = old / 2**backoffs if change == "backoff" else old * 2
+    history = np.zeros(1024, np.float32)
+    for gradient in gradients[:16]:
+        history = ops.convert_to_numpy(keras.quantizers.compute_float8_amax_history(
+            ops.array(gradient * old, "float32"), ops.array(history)))
+    [(rescaled, _)] = float8.rescale_gradient_amax([(history, 1.0)], new, old)
+    unchanged = _e5m2_shares((gradients[16] * old).astype(np.float32), _delayed_scale(history))
+    upcoming = (gradients[16] * new).astype(np.float32)
+    stale = _e5m2_shares(upcoming, _delayed_scale(history))
+    kept = _e5m2_shares(upcoming, _delayed_scale(ops.convert_to_numpy(rescaled)))
+    assert kept == unchanged
+    assert unchanged[0] == 0.0 and unchanged[1] == pytest.approx(0.093, abs=0.005)
+    if change == "backoff":
+        assert stale[0] == 0.0
+        # Each backoff lost one binade of 36 at the bottom: 8 of them.
+        assert stale[1] - kept[1] == pytest.approx(8 / 36, abs=0.02), (stale, kept)
+    else:
+        # The top binade of 36 is clipped.
+        assert stale[0] == pytest.approx(1 / 36, abs=0.01), (stale, kept)
+
+
+# --- the monitor --------------------------------------------------------------
+
+
+def test_stats_count_saturated_and_flushed_kernel_values_exactly():
+    inputs = keras.Input((32,))
+    model = keras.Model(inputs, keras.layers.Dense(16, name="d", use_bias=False)(inputs))
+    kernel = np.zeros((32, 16), np.float32)
+    kernel.flat[:8] = 1000.0  # above e4m3's 448 at scale 1: saturated
+    kernel.flat[8:40] = 2.0**-12  # below half of 2**-9: flushed
+    kernel.flat[40:] = 0.5
+    model.get_layer("d").kernel.assign(kernel)
+    model.get_layer("d").quantize("float8")
+    x = np.full((4, 32), 0.25, np.float32)
+    x[:, 0] = 500.0  # 4 of 128 input values saturate
+    figures = float8.stats(model, x)["d"]
+    assert figures["kernel"]["saturated"] == 8 / 512
+    assert figures["kernel"]["flushed"] == 32 / 512
+    assert figures["inputs"]["saturated"] == 4 / 128
+    assert figures["inputs"]["flushed"] == 0.0
+    assert figures["outputs_grad"]["saturated"] is None
+    assert figures["outputs_grad"]["amax"] == 0.0  # not trained yet
+
+
+def test_monitor_reports_each_epoch_in_history_csv_and_words(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = _mlp()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = _data(64)
+    printed = []
+    monitor = float8.Float8Monitor(x=x[:16], csv_path=str(tmp_path / "f8.csv"),
+                                   warn_share=0.0, print_fn=printed.append)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor], shuffle=False)
+    assert [epoch for epoch, _ in monitor.history] == [0, 1]
+    last = monitor.history[-1][1]
+    assert set(last) == {"up", "mid"}
+    up = last["up"]
+    # The inputs' amax is the data's: the largest |x| of the last batch.
+    assert up["inputs"]["amax"] == pytest.approx(float(np.max(np.abs(x[32:]))), rel=1e-3)
+    # Delayed scaling: the scale is the window's amax over e4m3's 448.
+    assert up["inputs"]["scale"] == pytest.approx(float(np.max(np.abs(x))) / 448.0, rel=1e-3)
+    assert 0.0 < up["inputs"]["range_used"] <= 1.0
+    # Gradients of the scaled loss: amax in the loss scale's units, within range.
+    assert up["outputs_grad"]["amax"] > 1.0
+    assert up["outputs_grad"]["range_used"] <= 1.0
+    lines = open(tmp_path / "f8.csv", encoding="utf-8").read().splitlines()
+    assert lines[0] == ",".join(float8.Float8Monitor.CSV_COLUMNS)
+    assert len(lines) == 1 + 2 * 2 * 3  # epochs x layers x tensors
+    assert printed and printed[0].startswith("Float8Monitor, epoch 1:")
+    with pytest.raises(ValueError, match="Received: warn_share=2"):
+        float8.Float8Monitor(warn_share=2)
+
+
+# --- saved and served ---------------------------------------------------------
+
+
+def test_a_float8_model_round_trips_through_a_keras_file(tmp_path):
+    kmp.set_policy("mixed_bfloat16")
+    model = _mlp()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = _data(64)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "f8.keras")
+    model.save(path)
+    kmp.set_policy("float32")
+    loaded = kmp.load_model(path)
+    assert [layer.name for layer in float8.float8_layers(loaded)] == ["up", "mid"]
+    for name in ("inputs_amax_history", "outputs_grad_amax_history", "outputs_grad_scale"):
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(getattr(loaded.get_layer("mid"), name)),
+            ops.convert_to_numpy(getattr(model.get_layer("mid"), name)))
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    loaded.fit(x, y, batch_size=32, epochs=1, verbose=0)  # and trains on
+
+
+def test_a_float8_model_exports_with_float32_signatures(tmp_path):
+    pytest.importorskip("tensorflow", reason="SavedModel export writes through TensorFlow")
+    import tensorflow as tf
+
+    kmp.set_policy("mixed_bfloat16")
+    model = _mlp()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = _data(64)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = str(tmp_path / "serving")
+    kmp.export(model, path, inference_policy="float32")
+    loaded = tf.saved_model.load(path)  # held: its variables live as long as it
+    served = loaded.serve(tf.constant(x[:8]))
+    assert served.dtype == tf.float32
+    reference = model.predict(x[:8], verbose=0)
+    # Served in float32 with the float8 quantization it trained with; the
+    # model runs its bfloat16 policy: within a few bfloat16 roundings.
+    np.testing.assert_allclose(served.numpy(), reference, atol=2e-2)

@@ -74,6 +74,9 @@ _TENSORS = (
     ("outputs_grad", "e5m2"),
 )
 _FORMAT_LIMITS = {"e4m3": (E4M3_MAX, E4M3_TINY), "e5m2": (E5M2_MAX, E5M2_TINY)}
+# Float8Monitor reports a tensor whose amax is more than this many times its
+# scale's range: at least its top binade was clipped.
+_RANGE_WARNING = 2.0
 
 
 def _matmul_features(layer):
@@ -647,10 +650,10 @@ class Float8Monitor(keras.callbacks.Callback):
                     for key in ("saturated", "flushed")
                     if values[key] is not None and values[key] > self.warn_share
                 ]
-                if values["range_used"] > 1.0:
+                if values["range_used"] > _RANGE_WARNING:
                     problems.append(
-                        f"amax {values['amax']:.4g} above the scale's range "
-                        f"({values['range_used']:.2f}x)"
+                        f"amax {values['amax']:.4g} is {values['range_used']:.1f}x "
+                        "the scale's range (a binade or more saturated)"
                     )
                 if problems:
                     lines.append(f"  {layer} {tensor}: {', '.join(problems)}")

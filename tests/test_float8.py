@@ -424,6 +424,34 @@ def test_a_float8_model_round_trips_through_a_keras_file(tmp_path):
                                   ops.convert_to_numpy(model(x[:8])))
 
 
+def test_a_float8_run_resumes_from_backup_and_restore_as_if_uninterrupted(tmp_path):
+    """2 epochs straight, against 1 epoch that "dies" after its backup and a
+    rerun of 2 that resumes: the float8 histories and scales, like the
+    weights, end bit for bit the same."""
+    x, y = _data(64)
+
+    def run(epochs, backup_dir):
+        kmp.set_policy("mixed_float16")
+        keras.utils.set_random_seed(3)
+        model = _mlp()
+        float8.enable(model, skip_small=False)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0, callbacks=[
+            kmp.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False)])
+        return model
+
+    straight = run(2, tmp_path / "straight")
+    run(1, tmp_path / "interrupted")
+    resumed = run(2, tmp_path / "interrupted")
+    assert int(resumed.optimizer.iterations) == int(straight.optimizer.iterations) == 4
+    for layer in float8.float8_layers(straight):
+        for name in ("inputs_amax_history", "kernel_scale", "outputs_grad_amax_history",
+                     "outputs_grad_scale", "kernel"):
+            np.testing.assert_array_equal(
+                ops.convert_to_numpy(getattr(resumed.get_layer(layer.name), name)),
+                ops.convert_to_numpy(getattr(layer, name)), err_msg=f"{layer.name}.{name}")
+
+
 def test_a_float8_model_exports_in_float32_with_its_float8_quantization(tmp_path):
     """Served under inference_policy="float32": float32 in and out, the
     float8 layers still quantizing to float8 with their trained scales, and

@@ -24,7 +24,6 @@ through Keras' own `Model.quantize("float8", filters=...)`.
 """
 
 import math
-import re
 
 import keras
 import ml_dtypes
@@ -125,7 +124,11 @@ def _output_layers(model):
 def _not_float8_reason(layer, model_policy, float32_layers, outputs, exclude, skip_small):
     """Why `layer` does not run float8 matmuls by `FILTER_RULE`, or `None` if it should."""
     if type(layer) not in _MATMUL_CLASSES:
-        return f"{type(layer).__name__} subclasses {type(layer).__mro__[1].__name__}: Keras quantizes Dense and EinsumDense only"
+        base = next(cls for cls in _MATMUL_CLASSES if isinstance(layer, cls))
+        return (
+            f"{type(layer).__name__} subclasses {base.__name__}: Keras quantizes "
+            "Dense and EinsumDense only"
+        )
     mode = layer.dtype_policy.quantization_mode
     if mode is not None:
         return f"quantized already ({mode})"
@@ -419,16 +422,25 @@ def rescale_gradient_amax(pairs, new_loss_scale, old_loss_scale):
     compiled step on TensorFlow and JAX. A ratio of 1 returns the values
     unchanged (bit for bit).
 
-    Where the scaler calls it: in the train step, after the step's
-    variables are applied or skipped (the float8 histories are
-    `overwrite_with_gradient` variables: a skipped step must leave them as
-    they were) and after the loss scale is updated, with `old_loss_scale`
-    the scale this step's loss was multiplied by and `new_loss_scale` the
-    one the next step will use; then assign the results to the variables
-    of `gradient_amax_variables(model)` (a stateless JAX step puts them in
-    the trainable variable values it returns, at those variables'
-    positions: Keras makes them trainable to overwrite them). Under bfloat16 or float32 (no loss scaling) it
-    need not be called.
+    Where the scaler calls it, once per attempt, last in kmp's order of
+    operations:
+    ```
+    scale loss -> gradients -> unscale -> finite check -> clip
+      -> apply or skip (the float8 histories and scales are
+         `overwrite_with_gradient` variables: applied with the weights,
+         kept as they were on a skip)
+      -> update the loss scale (old -> new)
+      -> histories, scales = rescale_gradient_amax(
+             gradient_amax_variables(model), new, old)   # here
+    ```
+    with `old_loss_scale` the scale this attempt's loss was multiplied by
+    and `new_loss_scale` the one the next attempt (the next step, or the
+    redo of an overflowing batch) will use. Then assign the results to the
+    variables of `gradient_amax_variables(model)`; a stateless JAX step puts
+    them in the trainable variable values it returns, at those variables'
+    positions (Keras makes them trainable to overwrite them). It needs no
+    branch: at a ratio of 1 (most steps) it multiplies by 1, exactly. Under
+    bfloat16 or float32 (no loss scaling) it need not be called.
 
     Args:
         pairs: List of `(history, scale)` tensors or variables, as
@@ -617,7 +629,9 @@ class Float8Monitor(keras.callbacks.Callback):
     ```
     """
 
-    CSV_COLUMNS = ("epoch", "layer", "tensor", "amax", "scale", "range_used", "saturated", "flushed")
+    CSV_COLUMNS = (
+        "epoch", "layer", "tensor", "amax", "scale", "range_used", "saturated", "flushed"
+    )
 
     def __init__(self, x=None, csv_path=None, warn_share=0.01, print_fn=None):
         super().__init__()

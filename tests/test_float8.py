@@ -230,7 +230,8 @@ def test_histories_hold_the_scaled_gradients_under_mixed_float16():
         model.compile(optimizer=keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy",
                       **({"loss_scale": 1024.0} if name == "mixed_float16" else {}))
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-        amax[name] = float(ops.convert_to_numpy(model.get_layer("mid").outputs_grad_amax_history)[0])
+        history = model.get_layer("mid").outputs_grad_amax_history
+        amax[name] = float(ops.convert_to_numpy(history)[0])
     # float16 compute: the two amaxes agree to float16's precision after the scale.
     assert amax["mixed_float16"] / 1024.0 == pytest.approx(amax["float32"], rel=2e-2)
     _, (history, scale) = float8.gradient_amax_variables(model)  # up, mid

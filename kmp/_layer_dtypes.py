@@ -4,6 +4,7 @@ the model runs, why it has them, and the table that shows them."""
 import keras
 
 from kmp import _float32_layers
+from kmp import _float8_rule
 from kmp import _keep_float32
 from kmp import _keras_internals
 from kmp import model as model_module
@@ -23,19 +24,10 @@ def _float32_reasons(model):
     return plan
 
 
-def _float8_reasons(model):
-    """`{id(layer): why not float8}` for the Dense and EinsumDense layers of
-    a model with float8 layers; `{}` for a model without (`kmp.float8`)."""
-    # Imported here: kmp.float8 reads this module's float32 reasons.
-    from kmp import float8
-
-    return float8._summary_reasons(model)
-
-
 def layer_rows(model):
     """The rows of `kmp.summary(model)`: one dict per layer (see its `Returns:`)."""
     plan = _float32_reasons(model)
-    float8_plan = _float8_reasons(model)
+    float8_plan = _float8_rule.summary_reasons(model)
     model_policy = getattr(model.dtype_policy, "name", None)
     rows, seen = [], set()
     for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True):

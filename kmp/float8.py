@@ -23,16 +23,21 @@ Nothing here changes a Keras class or attribute: the layers are quantized
 through Keras' own `Model.quantize("float8", filters=...)`.
 """
 
-import math
-
 import keras
 import ml_dtypes
 import numpy as np
 from keras import ops
 
+from kmp import _float8_rule
 from kmp import _keep_float32
 from kmp import _keras_internals
-from kmp import _layer_dtypes
+
+# Public names of this module, defined with the rule.
+from kmp._float8_rule import DIMENSION_MULTIPLE  # noqa: F401
+from kmp._float8_rule import FILTER_RULE  # noqa: F401
+from kmp._float8_rule import SMALL_INPUT_FEATURES  # noqa: F401
+from kmp._float8_rule import SMALL_OUTPUT_FEATURES  # noqa: F401
+from kmp._float8_rule import float8_layers
 
 # The largest finite values of the two float8 formats Keras uses.
 E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
@@ -42,30 +47,6 @@ E5M2_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max)  # 57344
 E4M3_TINY = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).smallest_subnormal)  # 2**-9
 E5M2_TINY = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).smallest_subnormal)  # 2**-16
 
-# Float8 tensor cores take matrices whose dimensions are multiples of 16.
-DIMENSION_MULTIPLE = 16
-# A matmul is small, and left in 16 bits, when its kernel has at most this
-# many input features AND at most this many output features: torchao's
-# tensorwise rule (`_auto_filter_for_tensorwise`, from its H100 benchmarks,
-# where quantizing costs more than the faster matmul saves below this size).
-SMALL_INPUT_FEATURES = 1024
-SMALL_OUTPUT_FEATURES = 4096
-
-FILTER_RULE = f"""\
-A Dense or EinsumDense layer runs float8 matmuls unless:
-  it is a subclass (Keras quantizes Dense and EinsumDense themselves only),
-    has LoRA enabled, or is quantized already;
-  it computes in float32 (kmp's float32 layers, keep_float32, dtype= on the
-    layer), or its policy is not the model's;
-  it is named by `exclude`;
-  it is an output layer: its output is a model output, directly or through
-    layers without weights (an Activation, a Softmax);
-  its kernel's input or output features (K, N; an EinsumDense's contracted
-    and output kernel axes, multiplied) are not multiples of {DIMENSION_MULTIPLE};
-  its matmul is small: K <= {SMALL_INPUT_FEATURES} and N <= {SMALL_OUTPUT_FEATURES}
-    (torchao's tensorwise rule; `skip_small=False` turns this off)."""
-
-_MATMUL_CLASSES = (keras.layers.Dense, keras.layers.EinsumDense)
 # The three tensors each float8 layer quantizes: (variable prefix, format).
 _TENSORS = (
     ("inputs", "e4m3"),
@@ -76,87 +57,6 @@ _FORMAT_LIMITS = {"e4m3": (E4M3_MAX, E4M3_TINY), "e5m2": (E5M2_MAX, E5M2_TINY)}
 # Float8Monitor reports a tensor whose amax is more than this many times its
 # scale's range: at least its top binade was clipped.
 _RANGE_WARNING = 2.0
-
-
-def _matmul_features(layer):
-    """`(K, N)`: the kernel's input and output features, as a matmul sees them."""
-    shape = tuple(int(d) for d in layer.kernel.shape)
-    if isinstance(layer, keras.layers.EinsumDense):
-        inputs_spec, rest = layer.equation.split(",")
-        kernel_spec, output_spec = rest.split("->")
-        contracted = math.prod(
-            d for axis, d in zip(kernel_spec, shape)
-            if axis in inputs_spec and axis not in output_spec
-        )
-        kept = math.prod(d for axis, d in zip(kernel_spec, shape) if axis in output_spec)
-        return contracted, kept
-    return shape[0], shape[-1]
-
-
-def _output_layers(model):
-    """The ids of the layers whose output is a model output, directly or
-    through layers without weights; for a model without a graph, the last
-    Dense or EinsumDense it tracks."""
-    try:
-        outputs = keras.tree.flatten(model.outputs)
-    except (AttributeError, ValueError):
-        outputs = None
-    if not outputs:
-        matmuls = [
-            layer
-            for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True)
-            if isinstance(layer, _MATMUL_CLASSES)
-        ]
-        return {id(matmuls[-1])} if matmuls else set()
-    found, pending = set(), list(outputs)
-    while pending:
-        tensor = pending.pop()
-        layer = _keras_internals.producing_layer(tensor)
-        if layer is None or id(layer) in found:
-            continue
-        found.add(id(layer))
-        if not layer.weights and not isinstance(layer, keras.layers.InputLayer):
-            # An Activation, a Softmax, a Reshape: the layer before is the output's.
-            pending.extend(_keras_internals.producing_inputs(tensor))
-    return found
-
-
-def _not_float8_reason(layer, model_policy, float32_layers, outputs, exclude, skip_small):
-    """Why `layer` does not run float8 matmuls by `FILTER_RULE`, or `None` if it should."""
-    if type(layer) not in _MATMUL_CLASSES:
-        base = next(cls for cls in _MATMUL_CLASSES if isinstance(layer, cls))
-        return (
-            f"{type(layer).__name__} subclasses {base.__name__}: Keras quantizes "
-            "Dense and EinsumDense only"
-        )
-    mode = layer.dtype_policy.quantization_mode
-    if mode is not None:
-        return f"quantized already ({mode})"
-    if getattr(layer, "lora_enabled", False):
-        return "LoRA enabled (Keras' float8 matmul does not take it)"
-    if id(layer) in float32_layers:
-        return f"computes in float32 ({float32_layers[id(layer)]})"
-    policy = getattr(layer.dtype_policy, "name", None)
-    if policy != model_policy:
-        return f"dtype= on the layer ({policy}), kept"
-    entry = exclude.match(layer)
-    if entry is not None:
-        return f"excluded by exclude={entry}"
-    if id(layer) in outputs:
-        return "the model's output layer"
-    k, n = _matmul_features(layer)
-    if k % DIMENSION_MULTIPLE or n % DIMENSION_MULTIPLE:
-        return f"K={k}, N={n}: not both multiples of {DIMENSION_MULTIPLE}"
-    if skip_small and k <= SMALL_INPUT_FEATURES and n <= SMALL_OUTPUT_FEATURES:
-        return (
-            f"small matmul: K={k} <= {SMALL_INPUT_FEATURES} and "
-            f"N={n} <= {SMALL_OUTPUT_FEATURES}"
-        )
-    return None
-
-
-def _float32_layers(model):
-    return {key: value[1] for key, value in _layer_dtypes._float32_reasons(model).items()}
 
 
 def plan(model, exclude=None, skip_small=True):
@@ -200,55 +100,11 @@ def plan(model, exclude=None, skip_small=True):
             "layer": _keep_float32._layer_label(layer),
             "float8": reason is None,
             "reason": reason,
-            "K": _matmul_features(layer)[0],
-            "N": _matmul_features(layer)[1],
+            "K": _float8_rule.matmul_features(layer)[0],
+            "N": _float8_rule.matmul_features(layer)[1],
         }
-        for layer, reason in _decisions(model, rules, skip_small)
+        for layer, reason in _float8_rule.decisions(model, rules, skip_small)
     ]
-
-
-def _decisions(model, rules, skip_small):
-    """`[(layer, reason)]` for each Dense and EinsumDense layer of `model`,
-    once: `reason` is why it does not run float8 by `FILTER_RULE`, `None`
-    for a float8 layer or one the rule makes float8."""
-    float32_layers = _float32_layers(model)
-    outputs = _output_layers(model)
-    model_policy = getattr(model.dtype_policy, "name", None)
-    decisions, seen = [], set()
-    for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True):
-        if id(layer) in seen or not isinstance(layer, _MATMUL_CLASSES):
-            continue
-        seen.add(id(layer))
-        if layer.dtype_policy.quantization_mode == "float8":
-            reason = None
-        else:
-            reason = _not_float8_reason(
-                layer, model_policy, float32_layers, outputs, rules, skip_small
-            )
-        decisions.append((layer, reason))
-    return decisions
-
-
-def _summary_reasons(model):
-    """`{id(layer): why it does not run float8}` for the Dense and EinsumDense
-    layers of a model that has float8 layers (`kmp.summary`); `{}` otherwise.
-
-    A layer the rule would make float8 but that is not was named by
-    `exclude`; small matmuls made float8 mean `skip_small=False` was given.
-    """
-    chosen = float8_layers(model)
-    if not chosen:
-        return {}
-    skip_small = not any(
-        _matmul_features(layer)[0] <= SMALL_INPUT_FEATURES
-        and _matmul_features(layer)[1] <= SMALL_OUTPUT_FEATURES
-        for layer in chosen
-    )
-    reasons = {}
-    for layer, reason in _decisions(model, _keep_float32._Float32Rules(), skip_small):
-        if layer.dtype_policy.quantization_mode != "float8":
-            reasons[id(layer)] = reason or "left out by `exclude` when float8 was enabled"
-    return reasons
 
 
 def _check_model(model, caller):
@@ -349,30 +205,13 @@ def enable(model, exclude=None, skip_small=True):
     targets = {
         id(layer)
         for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True)
-        if isinstance(layer, _MATMUL_CLASSES)
+        if isinstance(layer, _float8_rule._MATMUL_CLASSES)
         and layer.dtype_policy.quantization_mode is None
         and _keep_float32._layer_label(layer) in chosen
     }
     if targets:
         model.quantize("float8", filters=lambda layer: id(layer) in targets)
     return rows
-
-
-def float8_layers(model):
-    """The layers of `model` that run float8 matmuls.
-
-    Args:
-        model: A `keras.Model`.
-
-    Returns:
-        A list of layers, each once, in tracking order.
-    """
-    found, seen = [], set()
-    for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True):
-        if id(layer) not in seen and layer.dtype_policy.quantization_mode == "float8":
-            seen.add(id(layer))
-            found.append(layer)
-    return found
 
 
 def gradient_amax_variables(model):

@@ -431,6 +431,99 @@ def stats(model, x=None):
     return report
 
 
+def _unquantized_output(layer, inputs, dtype):
+    """What `layer` (a float8 Dense or EinsumDense) computes on `inputs`
+    without float8: its matmul, bias and activation in `dtype`."""
+    inputs = ops.cast(inputs, dtype)
+    kernel = ops.cast(layer.kernel, dtype)
+    if isinstance(layer, keras.layers.EinsumDense):
+        outputs = ops.einsum(layer.equation, inputs, kernel)
+    else:
+        outputs = ops.matmul(inputs, kernel)
+    if layer.bias is not None:
+        outputs = ops.add(outputs, ops.cast(layer.bias, dtype))
+    if layer.activation is not None:
+        outputs = layer.activation(outputs)
+    return ops.convert_to_numpy(ops.cast(outputs, "float32")).astype(np.float64)
+
+
+def compare(model, x, tolerance=0.1):
+    """How far each float8 layer's output is from its 16-bit and float32 output.
+
+    For each float8 layer of a functional model, on the inputs it receives
+    from `x`: its output as trained (float8, with the scales it has now), the
+    same layer computed without float8 in its policy's compute dtype, and in
+    float32. The errors are relative to the float32 output:
+
+    ```
+    error(y) = ||y - y_float32|| / ||y_float32||     (Frobenius norms)
+    float8_error   = error(the float8 output)
+    sixteen_bit_error = error(the layer without float8, in 16 bits)
+    flagged        = float8_error > tolerance
+    ```
+    e4m3 keeps 3 mantissa bits: its rounding alone gives errors of a few
+    percent. Far above that, inputs or kernel saturate or flush to zero
+    (an outlier sets the scale, and the rest of the values fall below
+    e4m3's range): leave the layer in 16 bits with `enable(...,
+    exclude=[name])`.
+
+    Args:
+        model: A functional `keras.Model` with float8 layers.
+        x: A batch of the model's inputs.
+        tolerance: Float > 0. The float8 error above which a layer is
+            flagged. Defaults to `0.1`.
+
+    Returns:
+        A list of dicts, one per float8 layer: `layer`, `float8_error`,
+        `sixteen_bit_error`, `flagged`.
+
+    Raises:
+        ValueError: if `tolerance` is not a positive number, or `model` has
+            no graph to read its layers' inputs from.
+
+    Example:
+
+    >>> inputs = keras.Input((32,))
+    >>> hidden = keras.layers.Dense(32, name="hidden")(inputs)
+    >>> model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
+    >>> _ = kmp.float8.enable(model, skip_small=False)
+    >>> x = np.random.default_rng(0).uniform(0.5, 1.0, size=(8, 32)).astype("float32")
+    >>> [row] = kmp.float8.compare(model, x)
+    >>> row["layer"], row["float8_error"] < 0.1, row["flagged"]
+    ('hidden', True, False)
+    """
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance <= 0:
+        raise ValueError(
+            f"`tolerance` must be a positive number. Received: tolerance={tolerance!r}"
+        )
+    layers = float8_layers(model)
+    if not layers:
+        return []
+    inputs = _layer_inputs(model, layers, x)
+    if inputs[0] is None:
+        raise ValueError(
+            "kmp.float8.compare reads each float8 layer's inputs from the model's "
+            f"graph, and {model.name!r} has none (a subclassed model). Received: "
+            f"model of type {type(model).__name__}"
+        )
+    rows = []
+    for layer, layer_inputs in zip(layers, inputs):
+        reference = _unquantized_output(layer, layer_inputs, "float32")
+        sixteen_bit = _unquantized_output(layer, layer_inputs, layer.compute_dtype)
+        float8 = ops.convert_to_numpy(
+            ops.cast(layer(layer_inputs, training=False), "float32")
+        ).astype(np.float64)
+        norm = max(float(np.linalg.norm(reference)), np.finfo(np.float64).tiny)
+        float8_error = float(np.linalg.norm(float8 - reference)) / norm
+        rows.append({
+            "layer": _keep_float32._layer_label(layer),
+            "float8_error": float8_error,
+            "sixteen_bit_error": float(np.linalg.norm(sixteen_bit - reference)) / norm,
+            "flagged": float8_error > tolerance,
+        })
+    return rows
+
+
 class Float8Monitor(keras.callbacks.Callback):
     """Reports what float8 does to each float8 layer, every epoch.
 

@@ -75,6 +75,27 @@ def test_einsum_dense_features_are_its_contracted_and_output_axes():
     assert (rows["query"]["K"], rows["query"]["N"], rows["query"]["float8"]) == (32, 32, True)
 
 
+def test_a_keras_hub_bert_runs_its_projections_in_float8_and_not_its_head():
+    """keras-hub's BERT (EinsumDense attention projections, Dense feed-forward)
+    converted with float8 (tiny: hidden 32, so skip_small=False): every
+    projection runs float8 and the classifier head does not."""
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test extra")
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=32,
+        intermediate_dim=64, max_sequence_length=8)
+    pooled = backbone(backbone.input)["pooled_output"]
+    model = kmp.convert(keras.Model(backbone.input, keras.layers.Dense(2, name="cls")(pooled)),
+                        "mixed_bfloat16")
+    rows = {row["layer"].split("/")[-1]: row for row in float8.enable(model, skip_small=False)}
+    assert {name for name, row in rows.items() if row["float8"]} == {
+        "query", "key", "value", "attention_output", "feedforward_intermediate_dense",
+        "feedforward_output_dense", "pooled_dense"}
+    assert rows["cls"]["reason"] == "the model's output layer"
+    # The attention projections: hidden 32 -> 2 heads x 16, and back.
+    assert (rows["query"]["K"], rows["query"]["N"]) == (32, 32)
+    assert (rows["attention_output"]["K"], rows["attention_output"]["N"]) == (32, 32)
+
+
 def test_subclasses_and_quantized_layers_stay_out():
     class MyDense(keras.layers.Dense):
         pass
@@ -362,6 +383,46 @@ def test_stats_count_saturated_and_flushed_kernel_values_exactly():
     assert figures["inputs"]["flushed"] == 0.0
     assert figures["outputs_grad"]["saturated"] is None
     assert figures["outputs_grad"]["amax"] == 0.0  # not trained yet
+
+
+def _delayed_scales(layer, x):
+    """Sets a float8 layer's input and kernel scales as a training step
+    would: the amax over e4m3's maximum."""
+    layer.inputs_scale.assign(float(np.max(np.abs(x))) / float8.E4M3_MAX)
+    layer.kernel_scale.assign(
+        float(np.max(np.abs(ops.convert_to_numpy(layer.kernel)))) / float8.E4M3_MAX)
+
+
+@pytest.mark.parametrize("outlier", [False, True])
+def test_compare_flags_a_layer_whose_kernel_outlier_flushes_the_rest(outlier):
+    """A 32 -> 32 Dense under mixed_bfloat16 on normal inputs: float8's error
+    against float32 is e4m3's rounding (3.7%; bfloat16's 0.3%). With one
+    kernel row of 1e5 (on an input that is always 0, so the output does not
+    change), the kernel's scale is 1e5 / 448: 71% of the other weights
+    (|w| < 0.31) round to zero, the error is 80%, and the layer is flagged
+    while its 16-bit error does not move."""
+    kmp.set_policy("mixed_bfloat16")
+    inputs = keras.Input((32,))
+    hidden = keras.layers.Dense(32, name="hidden")(inputs)
+    model = kmp.Model(inputs, keras.layers.Dense(16, name="head")(hidden))
+    float8.enable(model, skip_small=False)
+    layer = model.get_layer("hidden")
+    x, _ = _data(64)
+    x[:, 0] = 0.0
+    if outlier:
+        kernel = ops.convert_to_numpy(layer.kernel)
+        kernel[0, :] = 1e5
+        layer.kernel.assign(kernel)
+    _delayed_scales(layer, x)
+    [row] = float8.compare(model, x)
+    assert row["layer"] == "hidden" and row["sixteen_bit_error"] < 0.01
+    if outlier:
+        assert row["float8_error"] > 0.5 and row["flagged"]
+        assert float8.stats(model, x)["hidden"]["kernel"]["flushed"] > 0.5
+    else:
+        assert 0.01 < row["float8_error"] < 0.1 and not row["flagged"]
+    with pytest.raises(ValueError, match="Received: tolerance=0"):
+        float8.compare(model, x, tolerance=0)
 
 
 def test_monitor_reports_each_epoch_in_history_csv_and_words(tmp_path):

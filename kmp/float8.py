@@ -39,6 +39,27 @@ from kmp._float8_rule import SMALL_INPUT_FEATURES  # noqa: F401
 from kmp._float8_rule import SMALL_OUTPUT_FEATURES  # noqa: F401
 from kmp._float8_rule import float8_layers
 
+__all__ = [
+    "DIMENSION_MULTIPLE",
+    "E4M3_MAX",
+    "E4M3_TINY",
+    "E5M2_MAX",
+    "E5M2_TINY",
+    "FILTER_RULE",
+    "FLOAT8_COMPUTE_CAPABILITY",
+    "Float8Monitor",
+    "SMALL_INPUT_FEATURES",
+    "SMALL_OUTPUT_FEATURES",
+    "apply_loss_scale_change",
+    "compare",
+    "enable",
+    "float8_layers",
+    "gradient_amax_variables",
+    "plan",
+    "rescale_gradient_amax",
+    "stats",
+]
+
 # The largest finite values of the two float8 formats Keras uses.
 E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 E5M2_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max)  # 57344

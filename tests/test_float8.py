@@ -35,6 +35,21 @@ def _data(n=64):
     return x, y
 
 
+def test_public_names_are_pinned_and_documented():
+    assert float8.__all__ == [
+        "DIMENSION_MULTIPLE", "E4M3_MAX", "E4M3_TINY", "E5M2_MAX", "E5M2_TINY", "FILTER_RULE",
+        "FLOAT8_COMPUTE_CAPABILITY", "Float8Monitor", "SMALL_INPUT_FEATURES",
+        "SMALL_OUTPUT_FEATURES", "apply_loss_scale_change", "compare", "enable",
+        "float8_layers", "gradient_amax_variables", "plan", "rescale_gradient_amax", "stats",
+    ]
+    for name in float8.__all__:
+        value = getattr(float8, name)
+        if callable(value):
+            assert value.__doc__ and len(value.__doc__.strip()) > 40, name
+    assert (float8.E4M3_MAX, float8.E5M2_MAX) == (448.0, 57344.0)
+    assert (float8.E4M3_TINY, float8.E5M2_TINY) == (2.0**-9, 2.0**-16)
+
+
 # --- the rule ---------------------------------------------------------------
 
 
@@ -121,6 +136,9 @@ def test_enable_quantizes_what_the_plan_says_and_summary_says_why():
         ("up", True), ("mid", True), ("odd", False), ("head", False)]
     assert [layer.name for layer in float8.float8_layers(model)] == ["up", "mid"]
     assert model.get_layer("up").dtype_policy.name == "float8_from_mixed_bfloat16"
+    # A second call finds the same layers and quantizes nothing again.
+    variables = len(model.weights)
+    assert float8.enable(model, skip_small=False) == rows and len(model.weights) == variables
     printed = []
     summary = {row["layer"]: row for row in kmp.summary(model, print_fn=printed.append)}
     assert summary["up"]["float8"] and summary["mid"]["float8"]

@@ -266,8 +266,9 @@ def rescale_gradient_amax(pairs, new_loss_scale, old_loss_scale):
     those recorded: the scale, taken from the history's maximum for up to
     1,024 steps, is twice too large and the small gradients flush to zero
     in e5m2 (after `n` backoffs, `2**n` times too large). When it grows, the
-    next gradients exceed the scale's range and saturate at e5m2's maximum.
-    Multiplying the histories and scales by `new / old` keeps them in the
+    scale is too small until the larger gradients reach the history's
+    maximum, a step or two later, and meanwhile the largest saturate at
+    e5m2's maximum. Multiplying the histories and scales by `new / old` keeps them in the
     units of the gradients they will meet:
 
     ```

@@ -324,6 +324,33 @@ def test_rescale_is_pure_and_identity_at_ratio_one():
     np.testing.assert_array_equal(ops.convert_to_numpy(pairs[0][0]), history)
 
 
+def test_rescale_runs_compiled_by_xla_with_traced_scales():
+    """Inside a compiled step the scales are traced values: the rescale is
+    the same under XLA (tf.function(jit_compile=True), jax.jit)."""
+    pairs = [(np.array([1406.0, 703.0, 0.0], np.float32), np.float32(0.0245)),
+             (np.zeros(3, np.float32), np.float32(1.0))]
+
+    def rescale(pairs, new, old):
+        return float8.rescale_gradient_amax(pairs, new, old)
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(rescale, jit_compile=True)
+    else:
+        import jax
+
+        compiled = jax.jit(rescale)
+    eager = rescale(pairs, np.float32(4096.0), np.float32(8192.0))
+    traced = compiled(pairs, np.float32(4096.0), np.float32(8192.0))
+    for (history, scale), (expected_history, expected_scale) in zip(traced, eager):
+        np.testing.assert_array_equal(ops.convert_to_numpy(history),
+                                      ops.convert_to_numpy(expected_history))
+        assert float(scale) == float(expected_scale)
+    np.testing.assert_array_equal(ops.convert_to_numpy(traced[0][0]), [703.0, 351.5, 0.0])
+    assert float(traced[1][1]) == 1.0
+
+
 def _e5m2_shares(gradient, scale):
     """Saturated and flushed shares of `gradient` quantized to e5m2 with
     `scale`, by Keras' own quantize_and_dequantize."""

@@ -546,6 +546,7 @@ def compare(model, x, tolerance=0.1):
     return rows
 
 
+@keras.saving.register_keras_serializable(package="kmp")
 class Float8Monitor(keras.callbacks.Callback):
     """Reports what float8 does to each float8 layer, every epoch.
 
@@ -600,6 +601,15 @@ class Float8Monitor(keras.callbacks.Callback):
         self.warn_share = float(warn_share)
         self.print_fn = print_fn or print
         self.history = []
+
+    def get_config(self):
+        """The constructor's arguments but `x` and `print_fn` (data and a
+        callable: not configuration)."""
+        return {"csv_path": self.csv_path, "warn_share": self.warn_share}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
 
     def on_train_begin(self, logs=None):
         self.history = []

@@ -506,6 +506,10 @@ def test_monitor_reports_each_epoch_in_history_csv_and_words(tmp_path):
     assert "saturated" in printed[0]
     with pytest.raises(ValueError, match="Received: warn_share=2"):
         float8.Float8Monitor(warn_share=2)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(
+        float8.Float8Monitor(csv_path="f8.csv", warn_share=0.25)))
+    assert type(restored) is float8.Float8Monitor
+    assert (restored.csv_path, restored.warn_share) == ("f8.csv", 0.25)
 
 
 # --- saved and served ---------------------------------------------------------

@@ -430,7 +430,8 @@ def convert(model, policy=None, keep_float32=None, compile=True, float8=False):
             run float8 matmuls, by `kmp.float8.enable`'s rule (its
             `keep_float32` layers stay out). Defaults to `False`. To name
             more layers to leave out, call `kmp.float8.enable(result,
-            exclude=[...])` instead.
+            exclude=[...])` instead. A wrapped model (see above) shares its
+            layers with the result: they run float8 in both.
 
     Returns:
         A `kmp.Model`.

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections import Counter
 
 import keras
@@ -34,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 import kmp
+from kmp import _keras_internals
 from benchmarks import workloads as workloads_module
 
 
@@ -48,6 +50,9 @@ class Config:
         policy: Policy name given to Keras or to `kmp.set_policy`.
         loss_scale: For kmp: the `compile(loss_scale=...)` argument.
         jit_compile: Bool. Passed to `compile`.
+        float8: `None`, `"kmp"` (`kmp.float8.enable(model)`: the layers its
+            rule chooses) or `"keras"` (`model.quantize("float8")`: every
+            Dense and EinsumDense layer), applied before `compile`.
     """
 
     name: str
@@ -55,6 +60,7 @@ class Config:
     policy: str
     loss_scale: object = "auto"
     jit_compile: bool = False
+    float8: object = None
 
     @property
     def label(self):
@@ -80,13 +86,29 @@ CONFIGS = tuple(
 )
 CONFIG_NAMES = tuple(config.name for config in _BASE_CONFIGS)
 
+# `--float8` adds these: kmp's float8 by its rule, and Keras' own float8 on
+# every Dense and EinsumDense layer, under the same policy; "kmp
+# mixed_bfloat16" (in CONFIGS) is the 16-bit policy alone.
+FLOAT8_SUFFIX = " + float8"
+_FLOAT8_CONFIGS = (
+    Config("kmp mixed_bfloat16" + FLOAT8_SUFFIX, "kmp", "mixed_bfloat16", float8="kmp"),
+    Config("keras mixed_bfloat16 + quantize(float8)", "keras", "mixed_bfloat16", float8="keras"),
+)
+FLOAT8_CONFIGS = tuple(
+    dataclasses.replace(config, jit_compile=jit)
+    for jit in (False, True)
+    for config in _FLOAT8_CONFIGS
+)
+FLOAT8_CONFIG_NAMES = tuple(config.name for config in _FLOAT8_CONFIGS)
+
 
 def find_config(name, jit_compile):
-    for config in CONFIGS:
+    for config in CONFIGS + FLOAT8_CONFIGS:
         if config.name == name and config.jit_compile == jit_compile:
             return config
     raise ValueError(
-        f"Unknown configuration. `name` must be one of {', '.join(CONFIG_NAMES)}. "
+        "Unknown configuration. `name` must be one of "
+        f"{', '.join(CONFIG_NAMES + FLOAT8_CONFIG_NAMES)}. "
         f"Received: name={name!r}"
     )
 
@@ -116,6 +138,14 @@ def build_model(workload, config, optimizer="adam"):
             model = workload.build(kmp.Model, workload.sizes)
         resolved = policy.name
         compile_kwargs = {"loss_scale": config.loss_scale}
+    if config.float8 == "kmp":
+        kmp.float8.enable(model)
+    elif config.float8 == "keras":
+        with warnings.catch_warnings():
+            # "Layer InputLayer does not have a `quantize` method": Keras
+            # quantizes what it can and says so of every other layer.
+            warnings.simplefilter("ignore", UserWarning)
+            model.quantize("float8")
     model.compile(
         optimizer=OPTIMIZERS[optimizer](),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -180,6 +210,20 @@ class _JaxRunner:
         return float(logs["loss"])
 
 
+def _float8_layer_counts(model):
+    """`[layers running float8 matmuls, Dense and EinsumDense layers]` of
+    `model`, or `None` for what is not a Keras model (a test's stand-in)."""
+    if not isinstance(model, keras.Model):
+        return None
+    return [
+        len(kmp.float8.float8_layers(model)),
+        sum(
+            isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+            for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True)
+        ),
+    ]
+
+
 def make_runner(model, x, y):
     """The runner for Keras' backend: `_Runner` on TensorFlow, `_JaxRunner` on JAX.
 
@@ -226,7 +270,8 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
 
     Returns:
         Dict `label -> {"samples_per_s": median, "repeats": [...], "steps": n,
-        "policy": resolved policy, "optimizer": class name}`; with
+        "policy": resolved policy, "optimizer": class name, "float8_layers":
+        [float8 layers, Dense and EinsumDense layers]}`; with
         `gpu_memory_steps`, also `"memory": {"kind": "gpu", "resident_mb",
         "step_peak_mb", "peak_mb"}` (MiB): what building and warming this
         configuration left allocated (weights, optimizer state), the peak
@@ -269,6 +314,7 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
             "jit_compile": config.jit_compile,
             "policy": resolved,
             "optimizer": type(model.optimizer).__name__,
+            "float8_layers": _float8_layer_counts(model),
             "model_class": type(model).__name__,
             "steps": steps,
             "repeats": [],

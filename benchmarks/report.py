@@ -152,7 +152,18 @@ def _counterpart(name, policy):
     """The Keras configuration a kmp configuration is compared with."""
     if not name.startswith("kmp") or name == harness.NO_SCALE:
         return None
+    if name.endswith(harness.FLOAT8_SUFFIX):
+        return f"keras {policy} + quantize(float8)"
     return f"keras {policy}" if policy != "float32" else "float32"
+
+
+def _sixteen_bit(name, policy):
+    """The 16-bit configuration alone that a float8 configuration is compared with."""
+    if name.endswith(harness.FLOAT8_SUFFIX):
+        return f"kmp {policy}"
+    if name.endswith("+ quantize(float8)"):
+        return f"keras {policy}"
+    return None
 
 
 def ratios(results):
@@ -172,6 +183,34 @@ def ratios(results):
                 if counterpart
                 else None
             )
+            sixteen_bit = _sixteen_bit(entry["config"], entry["policy"])
+            entry["vs_16bit"] = (
+                entry["samples_per_s"] / rows[f"{sixteen_bit} | jit={jit}"]["samples_per_s"]
+                if sixteen_bit
+                else None
+            )
+
+
+def float8_table(results):
+    """Markdown table of the float8 configurations against the 16-bit policy
+    alone (`--float8`), or `""` when none ran."""
+    lines = [
+        "| workload | configuration | jit | float8 layers | samples/s | vs the 16-bit policy alone "
+        "| vs Keras' float8 |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for name, rows in results.items():
+        for entry in rows.values():
+            if entry.get("vs_16bit") is None:
+                continue
+            float8_layers, matmul_layers = entry.get("float8_layers") or ("?", "?")
+            lines.append(
+                f"| {name} | {entry['config']} | {'on' if entry['jit_compile'] else 'off'} | "
+                f"{float8_layers} of {matmul_layers} | "
+                f"{entry['samples_per_s']:,.0f} | {_fmt_ratio(entry['vs_16bit'])} | "
+                f"{_fmt_ratio(entry['vs_keras'])} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _jit_settings(rows):
@@ -344,6 +383,11 @@ def markdown(results, workloads, machine, *, command, mode, repeats, counts, mem
         "## Throughput",
         results_table(results, workloads),
         memory_note,
+        *(
+            ["## Float8 (kmp's rule, and Keras' quantize(\"float8\") on every Dense and "
+             "EinsumDense layer, against the 16-bit policy alone)", float8_table(results)]
+            if float8_table(results) else []
+        ),
         "## Loss-scaling overhead (step time of kmp mixed_float16 over the same model with `loss_scale=None`)",
         overhead_table(results),
     ]

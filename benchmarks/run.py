@@ -135,6 +135,11 @@ def _parse_args(argv):
                              "RSS in child processes on a CPU (default in the full run; GPU "
                              "memory on TensorFlow only)")
     memory.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument("--float8", action="store_true",
+                        help="also run float8 configurations: kmp mixed_bfloat16 + kmp.float8 "
+                             "(its rule), Keras' quantize(\"float8\") under mixed_bfloat16; "
+                             "float8 is emulated, and slow, where the GPU has no float8 "
+                             "tensor cores (compute capability < 8.9) or there is no GPU")
     parser.add_argument("--no-op-counts", dest="op_counts", action="store_false",
                         help="skip counting graph ops on the many-variables model (TensorFlow "
                              "only: never counted on JAX)")
@@ -220,7 +225,7 @@ def main(argv=None):
 
     configs = [
         config
-        for config in harness.CONFIGS
+        for config in harness.CONFIGS + (harness.FLOAT8_CONFIGS if args.float8 else ())
         if settings["jit"] == "both" or config.jit_compile == (settings["jit"] == "on")
     ]
     results = {}

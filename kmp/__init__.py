@@ -42,6 +42,7 @@ with _command.keep_import_error():
     _check_backend(_keras.backend.backend())
 
     from kmp import callbacks
+    from kmp import float8
     from kmp.convert import convert
     from kmp.convert import summary
     from kmp.diagnose import DiagnosisReport
@@ -66,6 +67,7 @@ __all__ = [
     "convert",
     "diagnose",
     "export",
+    "float8",
     "get_policy",
     "load_model",
     "policy_scope",

@@ -151,6 +151,18 @@ def producing_layer(tensor):
     return tensor._keras_history.operation
 
 
+def producing_inputs(tensor):
+    """The tensors the layer that made `tensor` (a `KerasTensor`) was called on.
+
+    `KerasTensor._keras_history` and `Operation._inbound_nodes` (Keras 3.0
+    on): no public API walks a functional graph backwards from an output;
+    `kmp.float8` does, through layers without weights, to find the layer
+    that makes a model's output.
+    """
+    operation, node_index, _ = tensor._keras_history
+    return list(keras.tree.flatten(operation._inbound_nodes[node_index].input_tensors))
+
+
 def compile_arguments(model):
     """The arguments `model.compile` recorded for `get_compile_config`, as a
     dict kmp may change in place, or `None` if it recorded none.

@@ -163,6 +163,9 @@ def _doctor(args):
     try:
         device = _benchmark_device(doctor, args.device, report["devices"])
         report["benchmark"] = _benchmark(doctor, device, args.seconds, report["devices"])
+        report["benchmark"]["float8"] = _float8_matmul(
+            device == doctor.device(on_gpu=True), report["devices"], args.seconds
+        )
     except _DeviceError as error:
         return _fail(args, EXIT_NO_DEVICE, f"no usable device: {error}", report)
     if args.json:
@@ -319,6 +322,60 @@ def _benchmark(doctor, device, seconds, devices):
     return {"device": device, "seconds": seconds, "results": results, "notes": notes}
 
 
+def _float8_matmul(on_gpu, devices, seconds):
+    """A float8 matmul against a bfloat16 one, timed in turns within
+    `seconds / 4`, where the GPU in use has float8 tensor cores (compute
+    capability >= 8.9); otherwise why it was not timed.
+
+    Returns:
+        Dict: `timed` (bool), and `reason` when not timed; else `shape`,
+        `bfloat16_ms`, `float8_ms` (medians), `runs` and `speedup`
+        (bfloat16 time over float8 time).
+    """
+    from kmp import float8
+
+    if not on_gpu:
+        return {"timed": False, "reason": "no GPU in use; float8 matmuls need an "
+                "NVIDIA GPU of compute capability 8.9 or above"}
+    capability = devices["gpus"][0]["compute_capability"] if devices["gpus"] else None
+    if not float8._has_float8_tensor_cores(capability):
+        return {"timed": False, "reason": f"GPU compute capability {capability or 'unknown'}; "
+                "float8 tensor cores need 8.9 or above (L4, L40, H100, H200)"}
+    n = 8192
+    steps = {"bfloat16": float8._matmul_step(n, False), "float8": float8._matmul_step(n, True)}
+    for step in steps.values():
+        step()  # Compiles; not timed.
+    times = {name: [] for name in steps}
+    deadline = time.perf_counter() + seconds / 4
+    while True:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+        if time.perf_counter() >= deadline:
+            break
+    medians = {name: statistics.median(measured) for name, measured in times.items()}
+    return {
+        "timed": True,
+        "shape": f"{n}x{n} @ {n}x{n} (a Dense layer under mixed_bfloat16, XLA)",
+        "bfloat16_ms": medians["bfloat16"] * 1e3,
+        "float8_ms": medians["float8"] * 1e3,
+        "runs": len(times["float8"]),
+        "speedup": medians["bfloat16"] / medians["float8"],
+    }
+
+
+def _float8_line(entry):
+    if entry is None:
+        return None
+    if not entry["timed"]:
+        return f"  float8 matmul: not timed ({entry['reason']})"
+    return (
+        f"  float8 matmul, {entry['shape']}: {entry['float8_ms']:.3g} ms against "
+        f"{entry['bfloat16_ms']:.3g} ms in bfloat16 ({entry['speedup']:.2f}x)"
+    )
+
+
 def _format(report, doctor):
     devices = report["devices"]
     lines = [
@@ -371,6 +428,9 @@ def _format(report, doctor):
     for entry in bench["results"]:
         if entry["error"]:
             lines.append(f"  {entry['op']} in {entry['dtype']} failed: {entry['error']}")
+    float8_line = _float8_line(bench.get("float8"))
+    if float8_line:
+        lines.append(float8_line)
     for note in bench["notes"]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

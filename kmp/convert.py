@@ -12,6 +12,7 @@ import warnings
 import keras
 
 from kmp import _keras_internals
+from kmp import float8 as float8_module
 from kmp import model as model_module
 from kmp import policy as policy_module
 from kmp.precision import _float32_layers
@@ -369,7 +370,7 @@ def _compile_like(converted, model):
     converted.compile(optimizer=optimizer, loss_scale=loss_scale, **config)
 
 
-def convert(model, policy=None, keep_float32=None, compile=True):
+def convert(model, policy=None, keep_float32=None, compile=True, float8=False):
     """Returns a `kmp.Model` that is `model` under a precision policy.
 
     One call, as fastai's `to_fp16()` or Apex's `amp.initialize`:
@@ -425,6 +426,12 @@ def convert(model, policy=None, keep_float32=None, compile=True):
             `None`.
         compile: Boolean. Whether to compile the result as `model` was
             compiled. Defaults to `True` (no effect on an uncompiled model).
+        float8: Boolean. Whether the result's Dense and EinsumDense layers
+            run float8 matmuls, by `kmp.float8.enable`'s rule (its
+            `keep_float32` layers stay out). Defaults to `False`. To name
+            more layers to leave out, call `kmp.float8.enable(result,
+            exclude=[...])` instead. A wrapped model (see above) shares its
+            layers with the result: they run float8 in both.
 
     Returns:
         A `kmp.Model`.
@@ -432,12 +439,13 @@ def convert(model, policy=None, keep_float32=None, compile=True):
     Raises:
         TypeError: if `model` is not a `keras.Model`, has no `call()` (a
             VAE that only trains through its `train_step`: define `call()`,
-            or subclass `kmp.Model` instead of converting), or an entry of
-            `keep_float32` is neither a string nor a layer class.
+            or subclass `kmp.Model` instead of converting), an entry of
+            `keep_float32` is neither a string nor a layer class, or
+            `float8` is not a boolean.
         ValueError: if `policy` is not a policy, a name in `keep_float32`
             (or in `kmp.set_policy`'s) is no layer of `model` (the message
-            lists the names there are), or the compile configuration cannot
-            be copied.
+            lists the names there are), the compile configuration cannot
+            be copied, or `float8=True` for a model that is not built.
 
     Example:
 
@@ -455,6 +463,15 @@ def convert(model, policy=None, keep_float32=None, compile=True):
             f"or a keras-hub model). Received: model of type {type(model).__name__}"
         )
     _check_has_call(model)
+    if not isinstance(float8, bool):
+        raise TypeError(f"`float8` must be True or False. Received: float8={float8!r}")
+    if float8 and not model.built:
+        raise ValueError(
+            "kmp.convert(..., float8=True) needs a built model: which layers run "
+            "float8 depends on their kernels' shapes. Build it first "
+            "(model.build(input_shape), or call it on a batch). Received: an "
+            f"unbuilt model {model.name!r}"
+        )
     target = policy_module._resolve_policy(
         policy, "policy", caller="kmp.convert", none_means="the active kmp policy"
     )
@@ -472,6 +489,8 @@ def convert(model, policy=None, keep_float32=None, compile=True):
     # object.__setattr__: Keras would track the rules as state.
     object.__setattr__(converted, "_kmp_keep_float32", rules)
     _precision.settle(converted, rules)
+    if float8:
+        float8_module.enable(converted)
     if compile and getattr(model, "compiled", False):
         if "compile" in _own_training_methods(model):
             warnings.warn(

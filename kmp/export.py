@@ -8,7 +8,8 @@ which layers follow the new precision is written once, in
 
 ```
 for each layer (the model itself included, input layers excluded):
-    quantized, or not computing in floating point -> left as it is
+    float8 (kmp.float8)                           -> float8 from the new policy
+    otherwise quantized, or not floating point    -> left as it is
     normalization or Softmax                      -> float32
     computes in float32 under a 16-bit model      -> left in float32 (pinned)
     otherwise                                     -> the new policy
@@ -49,6 +50,14 @@ def _inference_layer_policy(layer, model_is_16_bit, policy_name):
         return _float32_layers._Float32Policy(
             hands_on=compute if current.hands_on is not None else None,
             reason=current.reason,
+        )
+    if current.quantization_mode == "float8":
+        # Float8 layers keep float32 kernels and quantize them when called:
+        # they serve the same float8 quantization, computing in the new dtype.
+        return keras.dtype_policies.QuantizedFloat8DTypePolicy(
+            "float8",
+            source_name=policy_name,
+            amax_history_length=current.amax_history_length,
         )
     if current.quantization_mode is not None:
         # The quantized kernels are tied to the policy they were built for.
@@ -92,7 +101,9 @@ def _inference_policies(model, policy_name):
         else:
             new_policy = _inference_layer_policy(layer, model_is_16_bit, policy_name)
         settled = isinstance(layer.dtype_policy, _float32_layers._Float32Policy)
-        if new_policy is not None and (settled or new_policy != layer.dtype_policy.name):
+        if new_policy is not None and (
+            settled or getattr(new_policy, "name", new_policy) != layer.dtype_policy.name
+        ):
             changed[layer] = new_policy
     return changed
 
@@ -125,7 +136,9 @@ def export(
     ```
     normalization layers and Softmax           -> float32 (whatever the policy)
     a float32 layer in a 16-bit model (pinned) -> float32
-    quantized or non-float layers              -> unchanged
+    float8 layers (kmp.float8)                 -> float8, computing in
+                                                  inference_policy's dtype
+    other quantized or non-float layers        -> unchanged
     every other layer                          -> inference_policy
     ```
 

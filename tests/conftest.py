@@ -34,6 +34,7 @@ JAX_TESTS = (
     "test_without_tensorflow.py",
     "test_jax_install.py",
     "test_backends.py",
+    "test_float8.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
 JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py", "test_jax_install.py")
@@ -182,6 +183,10 @@ SLOW = (
     "test_resume.py::test_the_chief_deletes_its_own_backups_never_a_worker_folder",
     "test_train_function.py::test_fit_gives_what_keras_gives_for_every_input_kind",
     "test_train_function.py::test_jit_compiled_steps_give_what_keras_gives",
+    # Two 8-epoch fits per policy (5 s on TensorFlow, 7 s on JAX).
+    "test_float8.py::test_float8_training_ends_near_float32",
+    # Three float8 fits with a backup written every epoch (18 s on TensorFlow, 24 s on JAX).
+    "test_float8.py::test_a_float8_run_resumes_from_backup_and_restore_as_if_uninterrupted",
     # Keras' own tests (tests/peers/): the parametrized fit loops, each case a
     # fresh model and trace (test_fit_flow and test_on_batch_methods keep
     # fit's and train_on_batch's three modes in the fast tier), and

@@ -16,6 +16,7 @@ _PUBLIC = [
     "convert",
     "diagnose",
     "export",
+    "float8",
     "get_policy",
     "load_model",
     "policy_scope",
@@ -54,7 +55,9 @@ def test_configurable_classes_are_registered(name):
     assert keras.saving.get_registered_object(f"kmp>{name}") is cls
 
 
-@pytest.mark.parametrize("module_name", ["kmp.policy", "kmp.loss_scale", "kmp.convert"])
+@pytest.mark.parametrize(
+    "module_name", ["kmp.policy", "kmp.loss_scale", "kmp.convert", "kmp.float8"]
+)
 def test_docstring_examples_run(module_name):
     module = importlib.import_module(module_name)
     kmp.set_policy("float32")

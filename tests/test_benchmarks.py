@@ -353,6 +353,60 @@ def test_throughput_and_ratios_come_from_the_measured_times(monkeypatch):
     assert report.overhead_table(results).splitlines()[-1] == "| mlp | +100.0% | not run |"
 
 
+def test_float8_configurations_are_compared_with_the_16_bit_policy_and_keras_float8(monkeypatch):
+    """`--float8`'s rows on a fake clock: kmp's float8 against the 16-bit
+    policy alone and against Keras' quantize("float8") under that policy."""
+    from benchmarks import report
+    from benchmarks import workloads
+
+    step_seconds = {
+        "float32": 2.0**-6, "kmp mixed_bfloat16": 2.0**-7, "keras mixed_bfloat16": 2.0**-7,
+        "kmp mixed_bfloat16 + float8": 2.0**-8,
+        "keras mixed_bfloat16 + quantize(float8)": 2.0**-9,
+    }
+    clock = {"now": 0.0}
+
+    def run(self, steps):
+        clock["now"] += steps * step_seconds[self.model.config.name]
+        return 0.0
+
+    monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    monkeypatch.setattr(harness._Runner, "run", run)
+    monkeypatch.setattr(harness, "build_model",
+                        lambda workload, config, optimizer="adam": (_FakeModel(config), config.policy))
+    workload = workloads.get_workload("mlp", "smoke")
+    configs = [harness.find_config(name, False) for name in step_seconds]
+    assert [config.float8 for config in configs] == [None, None, None, "kmp", "keras"]
+    rows = harness.time_workload(workload, configs, repeats=3, chunk_seconds=2.0**-4,
+                                 warmup_steps=1, log=lambda line: None)
+    results = {"mlp": rows}
+    report.ratios(results)
+    kmp_float8 = rows["kmp mixed_bfloat16 + float8 | jit=off"]
+    keras_float8 = rows["keras mixed_bfloat16 + quantize(float8) | jit=off"]
+    assert (kmp_float8["vs_16bit"], kmp_float8["vs_keras"]) == (2.0, 0.5)
+    assert (keras_float8["vs_16bit"], keras_float8["vs_keras"]) == (4.0, None)
+    assert rows["kmp mixed_bfloat16 | jit=off"]["vs_16bit"] is None
+    table = report.float8_table(results).splitlines()
+    assert len(table) == 4 and table[2].startswith("| mlp | kmp mixed_bfloat16 + float8 | off | ? of ? |")
+    assert table[2].endswith("| 2.00x | 0.50x |")
+    assert report.float8_table({"mlp": {k: v for k, v in rows.items() if "float8" not in k}}) == ""
+
+
+def test_float8_configurations_build_what_they_name():
+    """Keras' quantize("float8") makes every Dense layer float8; kmp's rule,
+    on the smoke-sized MLP (32 wide), finds every matmul small or the output
+    layer and makes none: the 16-bit policy is what it measures there."""
+    from benchmarks import workloads
+
+    workload = workloads.get_workload("mlp", "smoke")
+    kmp_model, _ = harness.build_model(workload, harness.find_config("kmp mixed_bfloat16 + float8", False))
+    keras_model, _ = harness.build_model(
+        workload, harness.find_config("keras mixed_bfloat16 + quantize(float8)", False))
+    dense = harness._float8_layer_counts(keras_model)[1]
+    assert harness._float8_layer_counts(keras_model) == [dense, dense]
+    assert harness._float8_layer_counts(kmp_model) == [0, dense]
+
+
 def test_chart_is_a_png_of_the_expected_size(smoke_run):
     pytest.importorskip("matplotlib", reason="the chart needs matplotlib, the optional `plot` extra")
     from PIL import Image

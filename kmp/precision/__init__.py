@@ -12,4 +12,6 @@ they and `kmp.Model` share:
 - `_token_ids.py`: token ids that reach an embedding as 16-bit floats, kept
   exact (`_ExactIdsPolicy`).
 - `_layer_dtypes.py`: what `kmp.summary` reports for each layer.
+- `_float8_rule.py`: which Dense and EinsumDense layers `kmp.float8` puts in
+  float8, and why the others stay in 16 bits (also read by `kmp.summary`).
 """

@@ -7,6 +7,7 @@ from kmp import _keras_internals
 from kmp import model as model_module
 from kmp import policy as policy_module
 from kmp.precision import _float32_layers
+from kmp.precision import _float8_rule
 from kmp.precision import _keep_float32
 
 
@@ -39,6 +40,7 @@ def _is_model_output(layer, model):
 def layer_rows(model):
     """The rows of `kmp.summary(model)`: one dict per layer (see its `Returns:`)."""
     plan = _float32_reasons(model)
+    float8_plan = _float8_rule.summary_reasons(model)
     model_policy = getattr(model.dtype_policy, "name", None)
     rows, seen = [], set()
     for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True):
@@ -47,7 +49,14 @@ def layer_rows(model):
         seen.add(id(layer))
         compute_dtype = keras.backend.standardize_dtype(layer.compute_dtype)
         policy_name = getattr(layer.dtype_policy, "name", str(layer.dtype_policy))
-        if id(layer) in plan:
+        float8 = layer.dtype_policy.quantization_mode == "float8"
+        if float8:
+            source = policy_name.split("_from_", 1)[-1]
+            reason = (
+                "float8 matmuls (e4m3 inputs and kernel, e5m2 output gradients), "
+                f"policy {source} otherwise"
+            )
+        elif id(layer) in plan:
             role, reason, hands_on = plan[id(layer)]
             if role == "island":
                 reason += (
@@ -68,9 +77,12 @@ def layer_rows(model):
                 compute_dtype != "float32"
             ):
                 reason += "; Keras computes its statistics in float32"
+        if not float8 and float8_plan.get(id(layer)) is not None:
+            reason += f"; not float8: {float8_plan[id(layer)]}"
         rows.append(
             {
                 "layer": _keep_float32._layer_label(layer),
+                "float8": float8,
                 "class": type(layer).__name__,
                 "compute_dtype": compute_dtype,
                 "variable_dtype": (

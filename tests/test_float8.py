@@ -1,0 +1,601 @@
+"""kmp.float8: which layers run float8 matmuls, the loss-scale rescaling of
+their gradient histories, what the monitor reports, saving and serving.
+
+Runs on TensorFlow and JAX. A CPU emulates float8, so every model here is
+tiny (at most a few thousand weights).
+"""
+
+import os
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+from keras import ops
+
+import kmp
+from kmp import float8
+
+
+def _mlp(name="mlp", width=32):
+    """32 -> width (relu) -> LayerNorm -> width -> 20 -> 16 -> softmax."""
+    inputs = keras.Input((32,), name="x")
+    h = keras.layers.Dense(width, activation="relu", name="up")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    h = keras.layers.Dense(width, name="mid")(h)
+    h = keras.layers.Dense(20, name="odd")(h)
+    h = keras.layers.Dense(16, name="head")(h)
+    return kmp.Model(inputs, keras.layers.Activation("softmax", name="probs")(h), name=name)
+
+
+def _data(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 32)).astype("float32")
+    y = rng.integers(0, 16, size=(n,)).astype("int32")
+    return x, y
+
+
+def test_public_names_are_pinned_and_documented():
+    assert float8.__all__ == [
+        "DIMENSION_MULTIPLE", "E4M3_MAX", "E4M3_TINY", "E5M2_MAX", "E5M2_TINY", "FILTER_RULE",
+        "FLOAT8_COMPUTE_CAPABILITY", "Float8Monitor", "SMALL_INPUT_FEATURES",
+        "SMALL_OUTPUT_FEATURES", "apply_loss_scale_change", "compare", "enable",
+        "float8_layers", "gradient_amax_variables", "plan", "rescale_gradient_amax", "stats",
+    ]
+    for name in float8.__all__:
+        value = getattr(float8, name)
+        if callable(value):
+            assert value.__doc__ and len(value.__doc__.strip()) > 40, name
+    assert (float8.E4M3_MAX, float8.E5M2_MAX) == (448.0, 57344.0)
+    assert (float8.E4M3_TINY, float8.E5M2_TINY) == (2.0**-9, 2.0**-16)
+
+
+# --- the rule ---------------------------------------------------------------
+
+
+def test_the_rule_names_each_reason():
+    kmp.set_policy("mixed_bfloat16", keep_float32=["mid"])
+    inputs = keras.Input((1040,))
+    big = keras.layers.Dense(16, name="big")(inputs)  # K=1040 > 1024: not small
+    small = keras.layers.Dense(32, name="small")(big)  # K=16, N=32: small
+    mid = keras.layers.Dense(32, name="mid")(small)  # keep_float32
+    odd = keras.layers.Dense(20, name="odd")(mid)  # N=20
+    mine = keras.layers.Dense(32, name="mine", dtype="float32")(odd)
+    head = keras.layers.Dense(16, name="head")(mine)
+    model = kmp.Model(inputs, keras.layers.Activation("softmax")(head))
+    reasons = {row["layer"]: row["reason"] for row in float8.plan(model)}
+    assert reasons == {
+        "big": None,
+        "small": "small matmul: K=16 <= 1024 and N=32 <= 4096",
+        "mid": "computes in float32 (keep_float32: 'mid')",
+        "odd": "K=32, N=20: not both multiples of 16",
+        "mine": "dtype= on the layer (float32), kept",
+        "head": "the model's output layer",
+    }
+    unsmall = {row["layer"]: row["float8"] for row in float8.plan(model, skip_small=False)}
+    assert unsmall == {"big": True, "small": True, "mid": False, "odd": False,
+                       "mine": False, "head": False}
+    excluded = {row["layer"]: row["reason"] for row in float8.plan(model, exclude=["re:b.g"])}
+    assert excluded["big"] == "excluded by exclude='re:b.g'"
+
+
+def test_einsum_dense_features_are_its_contracted_and_output_axes():
+    # An attention projection: (hidden=32) -> (heads=2, head_dim=16): K=32, N=32.
+    inputs = keras.Input((4, 32))
+    query = keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, 2, 16),
+                                     name="query")(inputs)
+    out = keras.layers.Dense(16, name="head")(keras.layers.Reshape((4, 32))(query))
+    model = keras.Model(inputs, out)
+    rows = {row["layer"]: row for row in float8.plan(model, skip_small=False)}
+    assert (rows["query"]["K"], rows["query"]["N"], rows["query"]["float8"]) == (32, 32, True)
+
+
+def test_a_keras_hub_bert_runs_its_projections_in_float8_and_not_its_head():
+    """keras-hub's BERT (EinsumDense attention projections, Dense feed-forward)
+    converted with float8 (tiny: hidden 32, so skip_small=False): every
+    projection runs float8 and the classifier head does not."""
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test extra")
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=32,
+        intermediate_dim=64, max_sequence_length=8)
+    pooled = backbone(backbone.input)["pooled_output"]
+    model = kmp.convert(keras.Model(backbone.input, keras.layers.Dense(2, name="cls")(pooled)),
+                        "mixed_bfloat16")
+    rows = {row["layer"].split("/")[-1]: row for row in float8.enable(model, skip_small=False)}
+    assert {name for name, row in rows.items() if row["float8"]} == {
+        "query", "key", "value", "attention_output", "feedforward_intermediate_dense",
+        "feedforward_output_dense", "pooled_dense"}
+    assert rows["cls"]["reason"] == "the model's output layer"
+    # The attention projections: hidden 32 -> 2 heads x 16, and back.
+    assert (rows["query"]["K"], rows["query"]["N"]) == (32, 32)
+    assert (rows["attention_output"]["K"], rows["attention_output"]["N"]) == (32, 32)
+
+
+def test_subclasses_and_quantized_layers_stay_out():
+    class MyDense(keras.layers.Dense):
+        pass
+
+    inputs = keras.Input((32,))
+    h = MyDense(32, name="mine")(inputs)
+    h = keras.layers.Dense(32, name="int8")(h)
+    model = keras.Model(inputs, keras.layers.Dense(16, name="head")(h))
+    model.get_layer("int8").quantize("int8")
+    reasons = {row["layer"]: row["reason"] for row in float8.plan(model, skip_small=False)}
+    assert reasons["mine"] == "MyDense subclasses Dense: Keras quantizes Dense and EinsumDense only"
+    assert reasons["int8"] == "quantized already (int8)"
+
+
+# --- enable, convert, summary -------------------------------------------------
+
+
+def test_enable_quantizes_what_the_plan_says_and_summary_says_why():
+    kmp.set_policy("mixed_bfloat16")
+    model = _mlp()
+    rows = float8.enable(model, skip_small=False)
+    assert [(row["layer"], row["float8"]) for row in rows] == [
+        ("up", True), ("mid", True), ("odd", False), ("head", False)]
+    assert [layer.name for layer in float8.float8_layers(model)] == ["up", "mid"]
+    assert model.get_layer("up").dtype_policy.name == "float8_from_mixed_bfloat16"
+    # A second call finds the same layers and quantizes nothing again.
+    variables = len(model.weights)
+    assert float8.enable(model, skip_small=False) == rows and len(model.weights) == variables
+    printed = []
+    summary = {row["layer"]: row for row in kmp.summary(model, print_fn=printed.append)}
+    assert summary["up"]["float8"] and summary["mid"]["float8"]
+    assert summary["up"]["compute_dtype"] == "bfloat16"
+    assert summary["up"]["reason"].startswith("float8 matmuls (e4m3 inputs and kernel")
+    assert summary["up"]["reason"].endswith("policy mixed_bfloat16 otherwise")
+    assert summary["odd"]["reason"] == (
+        "policy mixed_bfloat16; not float8: K=32, N=20: not both multiples of 16")
+    assert summary["head"]["reason"].endswith("not float8: the model's output layer")
+    assert not summary["norm"]["float8"] and "not float8" not in summary["norm"]["reason"]
+    assert "float8 matmuls" in printed[0]
+
+
+def test_summary_says_which_layer_exclude_left_out():
+    model = _mlp()
+    float8.enable(model, exclude=["mid"], skip_small=False)
+    summary = {row["layer"]: row["reason"] for row in kmp.summary(model, print_fn=lambda _: None)}
+    assert summary["mid"].endswith("not float8: left out by `exclude` when float8 was enabled")
+
+
+def test_a_model_without_float8_layers_summarizes_as_before():
+    rows = kmp.summary(_mlp(), print_fn=lambda _: None)
+    assert all(not row["float8"] and "float8" not in row["reason"] for row in rows)
+
+
+def test_convert_with_float8_keeps_keep_float32_layers_out():
+    model = keras.Sequential([
+        keras.Input((1040,)),
+        keras.layers.Dense(32, name="first"),  # K=1040: float8 by the default rule
+        keras.layers.Dense(32, name="kept"),
+        keras.layers.Dense(16, name="head"),
+    ])
+    converted = kmp.convert(model, "mixed_bfloat16", float8=True)
+    assert [layer.name for layer in float8.float8_layers(converted)] == ["first"]
+    assert all(layer.dtype_policy.quantization_mode is None for layer in model.layers)
+    with_kept = kmp.convert(model, "mixed_bfloat16", keep_float32=["first"], float8=True)
+    assert float8.float8_layers(with_kept) == []
+
+
+def test_errors_name_the_argument_and_change_nothing():
+    model = _mlp()
+    with pytest.raises(ValueError, match="`exclude` names layers the model does not have: 'nope'"):
+        float8.enable(model, exclude=["nope"], skip_small=False)
+    with pytest.raises(TypeError, match="Received: skip_small='no'"):
+        float8.enable(model, skip_small="no")
+    with pytest.raises(TypeError, match="Received: exclude entry 3"):
+        float8.enable(model, exclude=[3])
+    with pytest.raises(TypeError, match=r"Received: float8='yes'"):
+        kmp.convert(model, float8="yes")
+    assert float8.float8_layers(model) == []
+    with pytest.raises(ValueError, match="needs a built model"):
+        float8.enable(keras.Sequential([keras.layers.Dense(16)]))
+    with pytest.raises(ValueError, match="needs a built model"):
+        kmp.convert(keras.Sequential([keras.layers.Dense(16)]), float8=True)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x, y = _data(8)
+    model.fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match="optimizer is built"):
+        float8.enable(model, skip_small=False)
+    assert float8.float8_layers(model) == []
+
+
+def test_auto_never_picks_float8():
+    policy = kmp.set_policy("auto")
+    assert "float8" not in policy.name
+    model = _mlp()
+    model(np.zeros((1, 32), "float32"))
+    assert float8.float8_layers(model) == []
+
+
+# --- numbers ------------------------------------------------------------------
+
+
+def _e4m3_bound(x, kernel):
+    """The largest |float8 matmul - float32 matmul| Keras' e4m3 quantization
+    allows, elementwise: each operand off by at most 2**-4 of itself (3
+    mantissa bits, round to nearest) or 2**-10 (half the smallest subnormal),
+    with scale 1."""
+    ex = np.maximum(2.0**-4 * np.abs(x), 2.0**-10)
+    ew = np.maximum(2.0**-4 * np.abs(kernel), 2.0**-10)
+    return np.abs(x) @ ew + ex @ np.abs(kernel) + ex @ ew
+
+
+def test_float8_matmul_is_within_e4m3_rounding_of_float64():
+    inputs = keras.Input((32,))
+    model = keras.Model(inputs, keras.layers.Dense(16, use_bias=False, name="d")(inputs))
+    kernel = ops.convert_to_numpy(model.get_layer("d").kernel).astype(np.float64)
+    x, _ = _data(8)
+    exact = x.astype(np.float64) @ kernel
+    model.get_layer("d").quantize("float8")  # scale 1: no history yet
+    served = ops.convert_to_numpy(model(x, training=False)).astype(np.float64)
+    error, bound = np.abs(served - exact), _e4m3_bound(x.astype(np.float64), kernel)
+    assert np.all(error <= bound * (1 + 1e-6))
+    # And the quantization is not a no-op: the error is that of e4m3, not float32's.
+    assert 1e-3 < float(np.max(error / bound)) <= 1.0
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_float8_training_ends_near_float32(policy):
+    """8 epochs of a 2-layer softmax regression: float8 under a 16-bit policy
+    ends within 0.05 of float32's loss (float32: about 1.9 from ln 16 = 2.77)."""
+    x, y = _data(256)
+    losses = {}
+    for name, use_float8 in (("float32", False), (policy, True)):
+        kmp.set_policy(name)
+        keras.utils.set_random_seed(1)
+        model = _mlp(width=32)
+        if use_float8:
+            float8.enable(model, skip_small=False)
+        model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                      loss="sparse_categorical_crossentropy")
+        losses[name] = model.fit(x, y, batch_size=32, epochs=8, verbose=0).history["loss"][-1]
+    assert losses["float32"] < 2.5
+    assert abs(losses[policy] - losses["float32"]) < 0.05, losses
+
+
+def test_histories_hold_the_scaled_gradients_under_mixed_float16():
+    """Keras' float8 records gradients of the scaled loss: the output-gradient
+    amax under mixed_float16 is the loss scale times float32's, which
+    `apply_loss_scale_change` then divides out exactly."""
+    x, y = _data(32)
+    amax = {}
+    for name in ("float32", "mixed_float16"):
+        kmp.set_policy(name)
+        keras.utils.set_random_seed(1)
+        model = _mlp()
+        float8.enable(model, skip_small=False)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy",
+                      **({"loss_scale": 1024.0} if name == "mixed_float16" else {}))
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        history = model.get_layer("mid").outputs_grad_amax_history
+        amax[name] = float(ops.convert_to_numpy(history)[0])
+    # float16 compute: the two amaxes agree to float16's precision after the scale.
+    assert amax["mixed_float16"] / 1024.0 == pytest.approx(amax["float32"], rel=2e-2)
+    _, (history, scale) = float8.gradient_amax_variables(model)  # up, mid
+    before = ops.convert_to_numpy(history).copy()
+    float8.apply_loss_scale_change(model, 1.0, 1024.0)
+    np.testing.assert_allclose(ops.convert_to_numpy(history), before / 1024.0, rtol=1e-7)
+    assert ops.convert_to_numpy(history)[0] == pytest.approx(amax["float32"], rel=2e-2)
+
+
+def test_a_skipped_step_leaves_float8_histories_as_they_were_and_off_by_the_backoff():
+    """A step whose gradients overflow float16 changes no float8 history or
+    scale (they are variables of the step, like the weights); the scale
+    halves, so the histories, recorded at the old scale, are now twice the
+    gradients they will meet, until the scaler calls the rescale."""
+    kmp.set_policy("mixed_float16")
+    model = _mlp()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", overflow_retries=0)
+    x, y = _data(32)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    names = [f"{tensor}_{kind}" for tensor, _ in float8._TENSORS
+             for kind in ("amax_history", "scale")]
+    before = {(layer.name, name): ops.convert_to_numpy(getattr(layer, name)).copy()
+              for layer in float8.float8_layers(model) for name in names}
+    old_scale = float(model.optimizer.scale_loss(1.0))
+    # A loss weighted 1e8 times the scale overflows float16 (65504) in the backward pass.
+    model.fit(x, y, sample_weight=np.full(32, 1e8, "float32"), batch_size=32, epochs=1,
+              verbose=0)
+    assert int(model.optimizer.skipped_steps) == 1
+    new_scale = float(model.optimizer.scale_loss(1.0))
+    assert new_scale == old_scale / 2
+    for (layer, name), value in before.items():
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(getattr(model.get_layer(layer), name)), value, err_msg=name)
+    history = model.get_layer("mid").outputs_grad_amax_history
+    float8.apply_loss_scale_change(model, new_scale, old_scale)
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(history), before[("mid", "outputs_grad_amax_history")] / 2)
+
+
+def test_rescale_is_pure_and_identity_at_ratio_one():
+    history = np.array([1406.0, 703.0, 0.0], np.float32)
+    pairs = [(ops.array(history), ops.array(0.0245)), (ops.zeros((3,)), ops.array(1.0))]
+    same = float8.rescale_gradient_amax(pairs, 8192.0, 8192.0)
+    np.testing.assert_array_equal(ops.convert_to_numpy(same[0][0]), history)
+    grown = float8.rescale_gradient_amax(pairs, 16384.0, 8192.0)
+    np.testing.assert_array_equal(ops.convert_to_numpy(grown[0][0]), [2812.0, 1406.0, 0.0])
+    assert float(grown[0][1]) == pytest.approx(0.049)
+    # Nothing recorded yet: Keras' initial scale of 1 is kept.
+    assert float(grown[1][1]) == 1.0
+    np.testing.assert_array_equal(ops.convert_to_numpy(pairs[0][0]), history)
+
+
+def test_rescale_runs_compiled_by_xla_with_traced_scales():
+    """Inside a compiled step the scales are traced values: the rescale is
+    the same under XLA (tf.function(jit_compile=True), jax.jit)."""
+    pairs = [(np.array([1406.0, 703.0, 0.0], np.float32), np.float32(0.0245)),
+             (np.zeros(3, np.float32), np.float32(1.0))]
+
+    def rescale(pairs, new, old):
+        return float8.rescale_gradient_amax(pairs, new, old)
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(rescale, jit_compile=True)
+    else:
+        import jax
+
+        compiled = jax.jit(rescale)
+    eager = rescale(pairs, np.float32(4096.0), np.float32(8192.0))
+    traced = compiled(pairs, np.float32(4096.0), np.float32(8192.0))
+    for (history, scale), (expected_history, expected_scale) in zip(traced, eager):
+        np.testing.assert_array_equal(ops.convert_to_numpy(history),
+                                      ops.convert_to_numpy(expected_history))
+        assert float(scale) == float(expected_scale)
+    np.testing.assert_array_equal(ops.convert_to_numpy(traced[0][0]), [703.0, 351.5, 0.0])
+    assert float(traced[1][1]) == 1.0
+
+
+def _e5m2_shares(gradient, scale):
+    """Saturated and flushed shares of `gradient` quantized to e5m2 with
+    `scale`, by Keras' own quantize_and_dequantize."""
+    qdq = ops.convert_to_numpy(keras.quantizers.quantize_and_dequantize(
+        ops.array(gradient), ops.array(scale), "float8_e5m2", "float32"))
+    limit = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max) * scale
+    saturated = float(np.mean(np.abs(gradient) > limit))
+    flushed = float(np.mean((qdq == 0) & (gradient != 0)))
+    return saturated, flushed
+
+
+def _delayed_scale(history):
+    """The scale Keras' float8 layer takes from an amax history."""
+    return float(keras.quantizers.compute_float8_scale(
+        ops.max(ops.array(history)), ops.array(1.0),
+        float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max)))
+
+
+@pytest.mark.parametrize("change, backoffs", [("backoff", 8), ("growth", 1)])
+def test_a_loss_scale_change_breaks_float8_unless_the_history_is_rescaled(change, backoffs):
+    """Gradients spread over 2**-40 .. 2**-4 (log-uniform, 36 binades), as a
+    network's are, recorded at a loss scale of 2**15 for 16 steps. Then the
+    scale changes (8 backoffs: 2**7; or one growth: 2**16) and the next
+    gradient is quantized to e5m2 with the scale Keras takes from the
+    history: stale, or rescaled by `rescale_gradient_amax`.
+
+    Rescaled, the quantization is exactly what it would have been with no
+    change (the ratio is a power of two): 9.3% of the values flush to zero
+    (the 36 binades do not fit e5m2's 32), none saturates. Stale after 8
+    backoffs, 8 more binades flush: 32.7%. Stale after a growth, the top
+    binade (3.1% of the values) saturates at e5m2's maximum."""
+    rng = np.random.default_rng(0)
+    gradients = [2.0 ** rng.uniform(-40, -4, size=4096) * rng.choice([-1, 1], 4096)
+                 for _ in range(17)]
+    old = 2.0**15
+    new = old / 2**backoffs if change == "backoff" else old * 2
+    history = np.zeros(1024, np.float32)
+    for gradient in gradients[:16]:
+        history = ops.convert_to_numpy(keras.quantizers.compute_float8_amax_history(
+            ops.array(gradient * old, "float32"), ops.array(history)))
+    [(rescaled, _)] = float8.rescale_gradient_amax([(history, 1.0)], new, old)
+    unchanged = _e5m2_shares((gradients[16] * old).astype(np.float32), _delayed_scale(history))
+    upcoming = (gradients[16] * new).astype(np.float32)
+    stale = _e5m2_shares(upcoming, _delayed_scale(history))
+    kept = _e5m2_shares(upcoming, _delayed_scale(ops.convert_to_numpy(rescaled)))
+    assert kept == unchanged
+    assert unchanged[0] == 0.0 and unchanged[1] == pytest.approx(0.093, abs=0.005)
+    if change == "backoff":
+        assert stale[0] == 0.0
+        # Each backoff lost one binade of 36 at the bottom: 8 of them.
+        assert stale[1] - kept[1] == pytest.approx(8 / 36, abs=0.02), (stale, kept)
+    else:
+        # The top binade of 36 is clipped.
+        assert stale[0] == pytest.approx(1 / 36, abs=0.01), (stale, kept)
+
+
+# --- the monitor --------------------------------------------------------------
+
+
+def test_stats_count_saturated_and_flushed_kernel_values_exactly():
+    inputs = keras.Input((32,))
+    model = keras.Model(inputs, keras.layers.Dense(16, name="d", use_bias=False)(inputs))
+    kernel = np.zeros((32, 16), np.float32)
+    kernel.flat[:8] = 1000.0  # above e4m3's 448 at scale 1: saturated
+    kernel.flat[8:40] = 2.0**-12  # below half of 2**-9: flushed
+    kernel.flat[40:] = 0.5
+    model.get_layer("d").kernel.assign(kernel)
+    model.get_layer("d").quantize("float8")
+    x = np.full((4, 32), 0.25, np.float32)
+    x[:, 0] = 500.0  # 4 of 128 input values saturate
+    figures = float8.stats(model, x)["d"]
+    assert figures["kernel"]["saturated"] == 8 / 512
+    assert figures["kernel"]["flushed"] == 32 / 512
+    assert figures["inputs"]["saturated"] == 4 / 128
+    assert figures["inputs"]["flushed"] == 0.0
+    assert figures["outputs_grad"]["saturated"] is None
+    assert figures["outputs_grad"]["amax"] == 0.0  # not trained yet
+
+
+def _delayed_scales(layer, x):
+    """Sets a float8 layer's input and kernel scales as a training step
+    would: the amax over e4m3's maximum."""
+    layer.inputs_scale.assign(float(np.max(np.abs(x))) / float8.E4M3_MAX)
+    layer.kernel_scale.assign(
+        float(np.max(np.abs(ops.convert_to_numpy(layer.kernel)))) / float8.E4M3_MAX)
+
+
+@pytest.mark.parametrize("outlier", [False, True])
+def test_compare_flags_a_layer_whose_kernel_outlier_flushes_the_rest(outlier):
+    """A 32 -> 32 Dense under mixed_bfloat16 on normal inputs: float8's error
+    against float32 is e4m3's rounding (3.7%; bfloat16's 0.3%). With one
+    kernel row of 1e5 (on an input that is always 0, so the output does not
+    change), the kernel's scale is 1e5 / 448: 71% of the other weights
+    (|w| < 0.31) round to zero, the error is 80%, and the layer is flagged
+    while its 16-bit error does not move."""
+    kmp.set_policy("mixed_bfloat16")
+    inputs = keras.Input((32,))
+    hidden = keras.layers.Dense(32, name="hidden")(inputs)
+    model = kmp.Model(inputs, keras.layers.Dense(16, name="head")(hidden))
+    float8.enable(model, skip_small=False)
+    layer = model.get_layer("hidden")
+    x, _ = _data(64)
+    x[:, 0] = 0.0
+    if outlier:
+        kernel = ops.convert_to_numpy(layer.kernel)
+        kernel[0, :] = 1e5
+        layer.kernel.assign(kernel)
+    _delayed_scales(layer, x)
+    [row] = float8.compare(model, x)
+    assert row["layer"] == "hidden" and row["sixteen_bit_error"] < 0.01
+    if outlier:
+        assert row["float8_error"] > 0.5 and row["flagged"]
+        assert float8.stats(model, x)["hidden"]["kernel"]["flushed"] > 0.5
+    else:
+        assert 0.01 < row["float8_error"] < 0.1 and not row["flagged"]
+    with pytest.raises(ValueError, match="Received: tolerance=0"):
+        float8.compare(model, x, tolerance=0)
+
+
+def test_monitor_reports_each_epoch_in_history_csv_and_words(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = _mlp()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = _data(64)
+    printed = []
+    # The probe batch is 1000x the training data: its inputs saturate against
+    # the scale the training data set.
+    monitor = float8.Float8Monitor(x=x[:16] * 1000.0, csv_path=str(tmp_path / "f8.csv"),
+                                   print_fn=printed.append)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor], shuffle=False)
+    assert [epoch for epoch, _ in monitor.history] == [0, 1]
+    last = monitor.history[-1][1]
+    assert set(last) == {"up", "mid"}
+    up = last["up"]
+    # The inputs' amax is the data's: the largest |x| of the last batch.
+    assert up["inputs"]["amax"] == pytest.approx(float(np.max(np.abs(x[32:]))), rel=1e-3)
+    # Delayed scaling: the scale is the window's amax over e4m3's 448.
+    scale = float(np.max(np.abs(x))) / 448.0
+    assert up["inputs"]["scale"] == pytest.approx(scale, rel=1e-3)
+    assert 0.0 < up["inputs"]["range_used"] <= 1.0
+    probe = np.abs(x[:16] * 1000.0)
+    assert up["inputs"]["saturated"] == pytest.approx(
+        np.mean(probe > up["inputs"]["scale"] * 448.0), abs=1e-9)
+    assert up["inputs"]["saturated"] > 0.9
+    # Gradients of the scaled loss: amax in the loss scale's units, within range.
+    assert up["outputs_grad"]["amax"] > 1.0
+    assert up["outputs_grad"]["range_used"] <= 1.0
+    lines = open(tmp_path / "f8.csv", encoding="utf-8").read().splitlines()
+    assert lines[0] == ",".join(float8.Float8Monitor.CSV_COLUMNS)
+    assert len(lines) == 1 + 2 * 2 * 3  # epochs x layers x tensors
+    assert printed[0].startswith("Float8Monitor, epoch 1:\n  up inputs: ")
+    assert "saturated" in printed[0]
+    with pytest.raises(ValueError, match="Received: warn_share=2"):
+        float8.Float8Monitor(warn_share=2)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(
+        float8.Float8Monitor(csv_path="f8.csv", warn_share=0.25)))
+    assert type(restored) is float8.Float8Monitor
+    assert (restored.csv_path, restored.warn_share) == ("f8.csv", 0.25)
+
+
+# --- saved and served ---------------------------------------------------------
+
+
+def test_a_float8_model_round_trips_through_a_keras_file(tmp_path):
+    kmp.set_policy("mixed_bfloat16")
+    model = _mlp()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = _data(64)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "f8.keras")
+    model.save(path)
+    kmp.set_policy("float32")
+    loaded = kmp.load_model(path)
+    assert [layer.name for layer in float8.float8_layers(loaded)] == ["up", "mid"]
+    for name in ("inputs_amax_history", "outputs_grad_amax_history", "outputs_grad_scale"):
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(getattr(loaded.get_layer("mid"), name)),
+            ops.convert_to_numpy(getattr(model.get_layer("mid"), name)))
+    np.testing.assert_array_equal(ops.convert_to_numpy(loaded(x[:8])),
+                                  ops.convert_to_numpy(model(x[:8])))
+
+
+def test_a_float8_run_resumes_from_backup_and_restore_as_if_uninterrupted(tmp_path):
+    """2 epochs straight, against 1 epoch that "dies" after its backup and a
+    rerun of 2 that resumes: the float8 histories and scales, like the
+    weights, end bit for bit the same."""
+    x, y = _data(64)
+
+    def run(epochs, backup_dir):
+        kmp.set_policy("mixed_float16")
+        keras.utils.set_random_seed(3)
+        model = _mlp()
+        float8.enable(model, skip_small=False)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0, callbacks=[
+            kmp.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False)])
+        return model
+
+    straight = run(2, tmp_path / "straight")
+    run(1, tmp_path / "interrupted")
+    resumed = run(2, tmp_path / "interrupted")
+    assert int(resumed.optimizer.iterations) == int(straight.optimizer.iterations) == 4
+    for layer in float8.float8_layers(straight):
+        for name in ("inputs_amax_history", "kernel_scale", "outputs_grad_amax_history",
+                     "outputs_grad_scale", "kernel"):
+            np.testing.assert_array_equal(
+                ops.convert_to_numpy(getattr(resumed.get_layer(layer.name), name)),
+                ops.convert_to_numpy(getattr(layer, name)), err_msg=f"{layer.name}.{name}")
+
+
+def test_a_float8_model_exports_in_float32_with_its_float8_quantization(tmp_path):
+    """Served under inference_policy="float32": float32 in and out, the
+    float8 layers still quantizing to float8 with their trained scales, and
+    exactly what the model computes when its float8 layers are rebased on
+    float32 (`kmp.load_model(path, "float32")`). (One bfloat16 op stays in
+    the graph: Keras' float8 layer rounds its bias to bfloat16 under a
+    float32 policy, for XLA's bias-add fusion.)"""
+    pytest.importorskip("tensorflow", reason="SavedModel export writes through TensorFlow")
+    import tensorflow as tf
+    from _helpers import graph_dtypes
+
+    kmp.set_policy("mixed_bfloat16")
+    model = _mlp()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = _data(64)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    trained = ops.convert_to_numpy(model(x[:8]))
+    path = str(tmp_path / "serving")
+    kmp.export(model, path, inference_policy="float32")
+    # The model itself is as it was.
+    assert model.get_layer("mid").dtype_policy.name == "float8_from_mixed_bfloat16"
+    if keras.backend.backend() == "tensorflow":
+        # On JAX the graph is one XlaCallModule (jax2tf): its dtypes are
+        # inside the module, not node attributes.
+        assert "float8_e4m3fn" in graph_dtypes(path)
+    loaded = tf.saved_model.load(path)  # held: its variables live as long as it
+    served = loaded.serve(tf.constant(x[:8]))
+    assert served.dtype == tf.float32
+    model.save(str(tmp_path / "f8.keras"))
+    in_float32 = kmp.load_model(str(tmp_path / "f8.keras"), policy="float32")
+    assert in_float32.get_layer("mid").dtype_policy.name == "float8_from_float32"
+    np.testing.assert_allclose(served.numpy(), ops.convert_to_numpy(in_float32(x[:8])),
+                               rtol=1e-5, atol=1e-6)
+    # Against the bfloat16 model: a few bfloat16 roundings of probabilities.
+    np.testing.assert_allclose(served.numpy(), trained, atol=2e-2)

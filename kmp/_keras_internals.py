@@ -25,6 +25,7 @@ uses it says more):
 | `Layer._call_has_training_arg` | `call_takes_training` | `convert.py` | call a wrapped model as Keras would |
 | `Layer._convert_input_args` | `converts_inputs` | `precision/_settle.py` | whether a float32 layer's consumer casts its outputs back to 16 bits itself |
 | `KerasTensor._keras_history` | `producing_layer` | `diagnosis/_static.py` | which layer produced a functional model's output |
+| `Operation._inbound_nodes` | `producing_inputs` | `float8.py` (through `precision/_float8_rule.py`) | the tensors a layer was called on: the rule walks a functional model back from its output, through layers without weights, to the layer that makes it |
 | `Trainer._compile_config` | `compile_arguments` | `export.py` | `kmp.load_model`'s `LossScaleOptimizer` recorded for the next save |
 | `Trainer._initial_epoch` | `set_initial_epoch` | `checkpoint.py` | the epoch `fit` resumes from, set as Keras' own `BackupAndRestore` sets it |
 | `BackupAndRestore._load_model`, `_save_model` (overridden) | `BackupAndRestoreBase` | `checkpoint.py` | the restore and the save Keras' callback calls (its `on_train_batch_end` for an integer `save_freq`): kmp's check, lock and atomic write (`_kmp_load_backup`, `_kmp_save_backup`) |

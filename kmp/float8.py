@@ -69,10 +69,12 @@ E4M3_TINY = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).smallest_subnormal)  
 E5M2_TINY = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).smallest_subnormal)  # 2**-16
 
 # The three tensors each float8 layer quantizes: (variable prefix, format).
+# Each float8 tensor of a layer: its format, and the layer's (public)
+# attributes for its amax history and its scale.
 _TENSORS = (
-    ("inputs", "e4m3"),
-    ("kernel", "e4m3"),
-    ("outputs_grad", "e5m2"),
+    ("inputs", "e4m3", "inputs_amax_history", "inputs_scale"),
+    ("kernel", "e4m3", "kernel_amax_history", "kernel_scale"),
+    ("outputs_grad", "e5m2", "outputs_grad_amax_history", "outputs_grad_scale"),
 )
 _FORMAT_LIMITS = {"e4m3": (E4M3_MAX, E4M3_TINY), "e5m2": (E5M2_MAX, E5M2_TINY)}
 # Float8Monitor reports a tensor whose amax is more than this many times its
@@ -431,10 +433,10 @@ def stats(model, x=None):
     report = {}
     for layer, layer_inputs in zip(layers, inputs):
         tensors = {}
-        for name, fmt in _TENSORS:
+        for name, fmt, history_attribute, scale_attribute in _TENSORS:
             largest = _FORMAT_LIMITS[fmt][0]
-            history = ops.convert_to_numpy(getattr(layer, f"{name}_amax_history"))
-            scale = float(ops.convert_to_numpy(getattr(layer, f"{name}_scale")))
+            history = ops.convert_to_numpy(getattr(layer, history_attribute))
+            scale = float(ops.convert_to_numpy(getattr(layer, scale_attribute)))
             amax = float(history[0])
             values = {"inputs": layer_inputs, "kernel": None, "outputs_grad": None}[name]
             if name == "kernel":

@@ -291,8 +291,7 @@ def test_a_skipped_step_leaves_float8_histories_as_they_were_and_off_by_the_back
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", overflow_retries=0)
     x, y = _data(32)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    names = [f"{tensor}_{kind}" for tensor, _ in float8._TENSORS
-             for kind in ("amax_history", "scale")]
+    names = [name for _, _, history, scale in float8._TENSORS for name in (history, scale)]
     before = {(layer.name, name): ops.convert_to_numpy(getattr(layer, name)).copy()
               for layer in float8.float8_layers(model) for name in names}
     old_scale = float(model.optimizer.scale_loss(1.0))

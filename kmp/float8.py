@@ -30,6 +30,7 @@ from keras import ops
 
 from kmp import _keras_internals
 from kmp.precision import _float8_rule
+from kmp.scaling import _step as _scaling_step
 from kmp.precision import _keep_float32
 
 # Public names of this module, defined with the rule.
@@ -285,25 +286,22 @@ def rescale_gradient_amax(pairs, new_loss_scale, old_loss_scale):
     compiled step on TensorFlow and JAX. A ratio of 1 returns the values
     unchanged (bit for bit).
 
-    Where the scaler calls it, once per attempt, last in kmp's order of
-    operations:
+    kmp's `LossScaleOptimizer` does this itself in every step, once per
+    attempt (a redone batch included), last in kmp's order of operations:
     ```
     scale loss -> gradients -> unscale -> finite check -> clip
       -> apply or skip (the float8 histories and scales are
          `overwrite_with_gradient` variables: applied with the weights,
          kept as they were on a skip)
       -> update the loss scale (old -> new)
-      -> histories, scales = rescale_gradient_amax(
-             gradient_amax_variables(model), new, old)   # here
+      -> rescale the float8 output-gradient histories and scales   # here
     ```
-    with `old_loss_scale` the scale this attempt's loss was multiplied by
-    and `new_loss_scale` the one the next attempt (the next step, or the
-    redo of an overflowing batch) will use. Then assign the results to the
-    variables of `gradient_amax_variables(model)`; a stateless JAX step puts
-    them in the trainable variable values it returns, at those variables'
-    positions (Keras makes them trainable to overwrite them). It needs no
-    branch: at a ratio of 1 (most steps) it multiplies by 1, exactly. Under
-    bfloat16 or float32 (no loss scaling) it need not be called.
+    in `fit`, in a custom `train_step` and in a loop through its `apply`.
+    Call this (or `apply_loss_scale_change`) only around another scaler,
+    Keras' own `LossScaleOptimizer`, with `old_loss_scale` the scale the
+    step's loss was multiplied by and `new_loss_scale` the next step's; at a
+    ratio of 1 (most steps) it multiplies by 1, exactly. Under bfloat16 or
+    float32 (no loss scaling) it need not be called.
 
     Args:
         pairs: List of `(history, scale)` tensors or variables, as
@@ -323,19 +321,7 @@ def rescale_gradient_amax(pairs, new_loss_scale, old_loss_scale):
     >>> keras.ops.convert_to_numpy(h).tolist()
     [703.0, 350.0, 0.0]
     """
-    ratio = ops.divide(
-        ops.cast(new_loss_scale, "float32"), ops.cast(old_loss_scale, "float32")
-    )
-    rescaled = []
-    for history, scale in pairs:
-        history = ops.convert_to_tensor(history, "float32")
-        scale = ops.convert_to_tensor(scale, "float32")
-        recorded = ops.max(history) > 0.0
-        rescaled.append((
-            ops.multiply(history, ratio),
-            ops.where(recorded, ops.multiply(scale, ratio), scale),
-        ))
-    return rescaled
+    return _scaling_step.rescale_float8(pairs, new_loss_scale, old_loss_scale)
 
 
 def apply_loss_scale_change(model, new_loss_scale, old_loss_scale):

@@ -135,12 +135,91 @@ def state_after(optimizer, scale, counters, decision, flags_before=None):
     return own
 
 
-def assign_state(optimizer, decision):
-    """Assigns `state_after` the current state to the scaler's variables."""
-    own = state_after(optimizer, optimizer._kmp_scale.value, optimizer.counters, decision)
+def assign_state(optimizer, decision, variables=()):
+    """Assigns `state_after` the current state to the scaler's variables,
+    and moves the float8 gradient state among `variables` (the step's
+    trainable variables) to the new scale (`float8_gradient_state`)."""
+    scale = optimizer._kmp_scale.value
+    pairs = float8_gradient_state(variables)
+    if pairs:
+        # Read now: on TensorFlow a variable's `value` is read where it is
+        # used, which would be after the assignments below.
+        snapshot = backends.get("step").snapshot
+        scale = snapshot(scale)
+        values = [(snapshot(variables[h].value), snapshot(variables[s].value)) for h, s in pairs]
+    own = state_after(optimizer, scale, optimizer.counters, decision)
     for variable in optimizer.variables:
         if id(variable) in own:
             variable.assign(own[id(variable)])
+    if pairs:
+        rescaled = rescale_float8(values, own[id(optimizer._kmp_scale)], scale)
+        for (h, s), (history, float8_scale) in zip(pairs, rescaled):
+            variables[h].assign(history)
+            variables[s].assign(float8_scale)
+
+
+# Keras' float8 layers (`layer.quantize("float8")` on Dense and EinsumDense)
+# name the amax history and the scale of their output gradient so.
+_FLOAT8_GRADIENT = ("outputs_grad_amax_history", "outputs_grad_scale")
+
+
+def float8_gradient_state(variables):
+    """`[(history_index, scale_index), ...]`: where in `variables` each float8
+    layer's output-gradient amax history and scale are.
+
+    Under a loss scale these record gradients of the scaled loss, so they
+    carry the scale: when it changes, `rescale_float8` moves them with it.
+    """
+    layers = {}
+    for index, variable in enumerate(variables):
+        name = getattr(variable, "name", None)
+        if name in _FLOAT8_GRADIENT:
+            layers.setdefault(variable.path.rpartition("/")[0], {})[name] = index
+    return [
+        (found[_FLOAT8_GRADIENT[0]], found[_FLOAT8_GRADIENT[1]])
+        for found in layers.values()
+        if len(found) == 2
+    ]
+
+
+def rescale_float8(pairs, new_scale, old_scale):
+    """Float8 output-gradient amax histories and scales moved to a new loss scale.
+
+    ```
+    ratio = new_scale / old_scale
+    for history, scale in pairs:
+        history <- history * ratio
+        scale <- scale * ratio   if max(history) > 0
+                 scale           otherwise (nothing recorded yet: Keras
+                                 keeps the initial scale, so does this)
+    ```
+
+    Pure, with `keras.ops`: the step calls it once per attempt, after apply
+    or skip and the scale's update, with no branch (a ratio of 1, most
+    steps, changes nothing, bit for bit). `kmp.float8.rescale_gradient_amax`
+    says why.
+
+    Args:
+        pairs: List of `(history, scale)` tensors.
+        new_scale, old_scale: Scalar tensors or numbers: the loss scale the
+            next attempt uses, and the one the values were recorded under.
+
+    Returns:
+        A list of `(history, scale)` float32 tensors, in the order given.
+    """
+    if not pairs:
+        return []
+    ratio = ops.divide(ops.cast(new_scale, "float32"), ops.cast(old_scale, "float32"))
+    rescaled = []
+    for history, scale in pairs:
+        history = ops.convert_to_tensor(history, "float32")
+        scale = ops.convert_to_tensor(scale, "float32")
+        recorded = ops.max(history) > 0.0
+        rescaled.append((
+            ops.multiply(history, ratio),
+            ops.where(recorded, ops.multiply(scale, ratio), scale),
+        ))
+    return rescaled
 
 
 def monitor_state(optimizer):
@@ -205,6 +284,13 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
 
     new_trainable, new_inner = ops.cond(finite, apply, skip)
     own = state_after(optimizer, scale, counters, decision, flags_before)
+    new_trainable = list(new_trainable)
+    pairs = float8_gradient_state(built)
+    rescaled = rescale_float8(
+        [(new_trainable[h], new_trainable[s]) for h, s in pairs], own[id(optimizer._kmp_scale)], scale
+    )
+    for (h, s), (history, float8_scale) in zip(pairs, rescaled):
+        new_trainable[h], new_trainable[s] = history, float8_scale
     new_inner = iter(new_inner)
     new_values = []
     for variable, value in mapping:

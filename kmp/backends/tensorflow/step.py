@@ -223,12 +223,12 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
                 grads, variables,
             ),
         )
-        _scaling_step.assign_state(optimizer, decision)
+        _scaling_step.assign_state(optimizer, decision, variables)
         return decision.finite, decision.retry, deferred
 
     if not window and replicas is replicas_module.IN_REPLICA and _keras_internals.in_xla_context():
         _apply_if(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables, grads)
-        _scaling_step.assign_state(optimizer, decision)
+        _scaling_step.assign_state(optimizer, decision, variables)
         return decision.finite, decision.retry, None
 
     def skip():
@@ -238,7 +238,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
 
     ops.cond(decision.finite, lambda: replicas.run(apply_unscaled, grads, variables), skip)
     if not window:
-        _scaling_step.assign_state(optimizer, decision)
+        _scaling_step.assign_state(optimizer, decision, variables)
         return decision.finite, decision.retry, None
     discard = ops.logical_not(decision.finite)
     # A discarded window, and a micro-batch with an overflow (now or earlier)
@@ -256,7 +256,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
     )
 
     def end_window():
-        _scaling_step.assign_state(optimizer, decision)
+        _scaling_step.assign_state(optimizer, decision, variables)
         optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
 
     ops.cond(boundary, end_window, lambda: None)

@@ -23,6 +23,8 @@ Nothing here changes a Keras class or attribute: the layers are quantized
 through Keras' own `Model.quantize("float8", filters=...)`.
 """
 
+import inspect
+
 import keras
 import ml_dtypes
 import numpy as np
@@ -234,8 +236,29 @@ def enable(model, exclude=None, skip_small=True):
         and _keep_float32._layer_label(layer) in chosen
     }
     if targets:
-        model.quantize("float8", filters=lambda layer: id(layer) in targets)
+        _quantize(model, targets)
     return rows
+
+
+def _quantize(model, targets, filters=None):
+    """`model.quantize("float8")` on the layers whose `id` is in `targets`.
+
+    Keras' `Model.quantize` takes `filters` in its newer releases; before
+    (Keras 3.10 among those kmp admits) it quantizes every layer, so this
+    runs its loop over the chosen layers instead, and drops the train,
+    test and predict functions as it does, to be made again.
+    """
+    if filters is None:
+        filters = "filters" in inspect.signature(model.quantize).parameters
+    if filters:
+        model.quantize("float8", filters=lambda layer: id(layer) in targets)
+        return
+    for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True):
+        if id(layer) in targets:
+            layer.quantize("float8")
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
 
 
 def gradient_amax_variables(model):

@@ -152,6 +152,22 @@ def test_enable_quantizes_what_the_plan_says_and_summary_says_why():
     assert "float8 matmuls" in printed[0]
 
 
+def test_keras_without_quantize_filters_gets_the_same_layers_quantized():
+    """Keras 3.10's `Model.quantize` takes no `filters`: kmp quantizes the
+    chosen layers one by one, as its loop would, with the same result."""
+    kmp.set_policy("mixed_bfloat16")
+    by_filters, by_loop = _mlp("a"), _mlp("b")
+    for model, filters in ((by_filters, True), (by_loop, False)):
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        model.predict(_data(8)[0], verbose=0)  # a predict function to be dropped
+        targets = {id(model.get_layer(name)) for name in ("up", "mid")}
+        float8._quantize(model, targets, filters=filters)
+        assert model.predict_function is None
+    policies = [[layer.dtype_policy.name for layer in model.layers] for model in (by_filters, by_loop)]
+    assert policies[0] == policies[1]
+    assert [layer.name for layer in float8.float8_layers(by_loop)] == ["up", "mid"]
+
+
 def test_summary_says_which_layer_exclude_left_out():
     model = _mlp()
     float8.enable(model, exclude=["mid"], skip_small=False)

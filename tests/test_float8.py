@@ -35,6 +35,15 @@ def _data(n=64):
     return x, y
 
 
+def _float8_mlp(policy):
+    """`_mlp()` under `policy`, every eligible layer in float8, compiled with Adam."""
+    kmp.set_policy(policy)
+    model = _mlp()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+
 def test_public_names_are_pinned_and_documented():
     assert float8.__all__ == [
         "DIMENSION_MULTIPLE", "E4M3_MAX", "E4M3_TINY", "E5M2_MAX", "E5M2_TINY", "FILTER_RULE",
@@ -488,11 +497,7 @@ def test_compare_flags_a_layer_whose_kernel_outlier_flushes_the_rest(outlier):
 
 
 def test_monitor_reports_each_epoch_in_history_csv_and_words(tmp_path):
-    kmp.set_policy("mixed_float16")
-    model = _mlp()
-    float8.enable(model, skip_small=False)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    x, y = _data(64)
+    model, (x, y) = _float8_mlp("mixed_float16"), _data(64)
     printed = []
     # The probe batch is 1000x the training data: its inputs saturate against
     # the scale the training data set.
@@ -533,11 +538,7 @@ def test_monitor_reports_each_epoch_in_history_csv_and_words(tmp_path):
 
 
 def test_a_float8_model_round_trips_through_a_keras_file(tmp_path):
-    kmp.set_policy("mixed_bfloat16")
-    model = _mlp()
-    float8.enable(model, skip_small=False)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    x, y = _data(64)
+    model, (x, y) = _float8_mlp("mixed_bfloat16"), _data(64)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     path = os.path.join(tmp_path, "f8.keras")
     model.save(path)
@@ -591,11 +592,7 @@ def test_a_float8_model_exports_in_float32_with_its_float8_quantization(tmp_path
     import tensorflow as tf
     from _helpers import graph_dtypes
 
-    kmp.set_policy("mixed_bfloat16")
-    model = _mlp()
-    float8.enable(model, skip_small=False)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    x, y = _data(64)
+    model, (x, y) = _float8_mlp("mixed_bfloat16"), _data(64)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     trained = ops.convert_to_numpy(model(x[:8]))
     path = str(tmp_path / "serving")

@@ -32,7 +32,7 @@ class _ScalePerStep(keras.callbacks.Callback):
         self.scales.append(float(logs["loss_scale"]))
 
 
-def _fit(accumulate, data, inner=keras.optimizers.Adam, **kmp_kwargs):
+def _fit(accumulate, data, inner=keras.optimizers.Adam, jit_compile="auto", **kmp_kwargs):
     kmp.set_policy("mixed_float16")
     keras.utils.set_random_seed(1)
     inputs = keras.Input((4,))
@@ -47,6 +47,7 @@ def _fit(accumulate, data, inner=keras.optimizers.Adam, **kmp_kwargs):
         # Both runs drop an overflowing batch (a retry would redo one
         # micro-batch of a window, so accumulation has none).
         overflow_retries=0,
+        jit_compile=jit_compile,
     )
     scales = _ScalePerStep()
     batch_size = _MICRO_BATCH if accumulate else _MICRO_BATCH * _ACCUMULATION
@@ -66,20 +67,26 @@ def _assert_same_training(accumulated, reference):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4)
 
 
-def test_accumulated_run_equals_one_run_on_the_concatenated_batches():
+# Under XLA the window's branches are selects (kmp/backends/tensorflow/step.py).
+_JIT = pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+
+
+@_JIT
+def test_accumulated_run_equals_one_run_on_the_concatenated_batches(jit_compile):
     data = _data()
-    accumulated, _ = _fit(True, data)
+    accumulated, _ = _fit(True, data, jit_compile=jit_compile)
     reference, _ = _fit(False, data)
     assert int(accumulated.optimizer.skipped_steps) == 0
     assert int(accumulated.optimizer.iterations) == _WINDOWS
     _assert_same_training(accumulated, reference)
 
 
+@_JIT
 @pytest.mark.parametrize("poisoned", [(9,), (9, 11)], ids=["one", "two_in_one_window"])
-def test_overflow_discards_the_whole_accumulated_step_once(poisoned):
+def test_overflow_discards_the_whole_accumulated_step_once(poisoned, jit_compile):
     # Micro-batches 9 and 11 are in window 2 (micro-batches 8-11).
     data = _data(poisoned)
-    accumulated, scales = _fit(True, data)
+    accumulated, scales = _fit(True, data, jit_compile=jit_compile)
     reference, _ = _fit(False, data)
     assert int(accumulated.optimizer.skipped_steps) == 1
     assert int(accumulated.optimizer.iterations) == _WINDOWS - 1
@@ -95,11 +102,12 @@ def test_overflow_discards_the_whole_accumulated_step_once(poisoned):
     assert scales[3 * _ACCUMULATION - 1] == _INITIAL_SCALE  # backed off at window 2's end
 
 
-def test_accumulators_stay_finite_mid_window():
+@_JIT
+def test_accumulators_stay_finite_mid_window(jit_compile):
     x, y = _data((9,))
     # Stop inside window 2, right after the overflowing micro-batch.
     x, y = x[: 10 * _MICRO_BATCH], y[: 10 * _MICRO_BATCH]
-    model, scales = _fit(True, (x, y), inner=keras.optimizers.SGD)
+    model, scales = _fit(True, (x, y), inner=keras.optimizers.SGD, jit_compile=jit_compile)
     for accumulator in model.optimizer.inner_optimizer._accumulated_gradients:
         assert np.all(np.isfinite(np.asarray(accumulator)))
     assert int(model.optimizer.skipped_steps) == 0  # not decided before the window ends

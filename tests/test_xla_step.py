@@ -47,9 +47,9 @@ def _data(rows=16):
             rng.normal(size=(rows, 4)).astype("float32"))
 
 
-def _compiled(api, **compile_kwargs):
+def _compiled(api, accumulation=None, **compile_kwargs):
     keras.utils.set_random_seed(0)
-    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9, gradient_accumulation_steps=accumulation)
     if api == "keras":
         previous = keras.config.dtype_policy()
         keras.config.set_dtype_policy("mixed_float16")
@@ -99,6 +99,18 @@ def test_a_train_step_compiled_by_xla_has_no_conditional_and_copies_no_more_than
     assert model.optimizer.__class__ is kmp.LossScaleOptimizer
     counts = _hlo_counts(_optimized_hlo(model, data))
     assert counts["conditionals"] == keras_counts["conditionals"] == 0, counts
+    assert counts["kernel_copies"] <= keras_counts["kernel_copies"], (counts, keras_counts)
+
+
+def test_an_accumulated_step_under_xla_has_no_more_conditionals_than_keras():
+    """With the inner optimizer's gradient accumulation the window's
+    branches (apply or discard, the micro-steps' rewind, the accumulators'
+    reset, the window's end) are selects too: no conditional, as Keras'."""
+    keras_model, data = _compiled("keras", accumulation=4)
+    kmp_model, _ = _compiled("kmp", accumulation=4, overflow_retries=0)
+    keras_counts = _hlo_counts(_optimized_hlo(keras_model, data))
+    counts = _hlo_counts(_optimized_hlo(kmp_model, data))
+    assert counts["conditionals"] <= keras_counts["conditionals"] == 0, (counts, keras_counts)
     assert counts["kernel_copies"] <= keras_counts["kernel_copies"], (counts, keras_counts)
 
 

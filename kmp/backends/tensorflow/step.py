@@ -183,12 +183,20 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
 
     grads, local = replicas.run(check, grads, variables, loss)
     reduce = lambda: replicas.agree(local, agree)  # noqa: E731
+    # Under XLA, in each replica, the step's branches are selects (see
+    # `_apply_or_keep`), a window's included.
+    select = replicas is replicas_module.IN_REPLICA and _keras_internals.in_xla_context()
     if window:
         boundary = ops.equal((_keras_internals.micro_steps(inner) + 1) % window, 0)
         # Mid-window every replica adds its micro-batch: "finite" until the end.
-        agreed = ops.cond(boundary, reduce, lambda: tuple(
+        mid_window = lambda: tuple(  # noqa: E731
             ops.ones_like(v) if i < 2 else v for i, v in enumerate(replicas.first(local))
-        ))
+        )
+        if select:
+            agreed = tuple(ops.where(boundary, at_end, mid)
+                           for at_end, mid in zip(reduce(), mid_window()))
+        else:
+            agreed = ops.cond(boundary, reduce, mid_window)
     else:
         agreed = reduce()
     decision = _scaling_rule.Decision(agreed[0], agreed[1], agreed[2] if monitored else None)
@@ -226,9 +234,13 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         _scaling_step.assign_state(optimizer, decision, variables)
         return decision.finite, decision.retry, deferred
 
-    if not window and replicas is replicas_module.IN_REPLICA and _keras_internals.in_xla_context():
+    if select and not window:
         _apply_if(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables, grads)
         _scaling_step.assign_state(optimizer, decision, variables)
+        return decision.finite, decision.retry, None
+    if select and window:
+        _window_step_by_selects(optimizer, decision, boundary, local[0],
+                                lambda: apply_unscaled(grads, variables), variables, window)
         return decision.finite, decision.retry, None
 
     def skip():
@@ -261,6 +273,35 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
 
     ops.cond(boundary, end_window, lambda: None)
     return decision.finite, decision.retry, None
+
+
+def _window_step_by_selects(optimizer, decision, boundary, local_finite, apply, variables,
+                            window):
+    """An accumulated step's micro-batch under XLA, `_step`'s window path
+    with selects for its branches: the inner optimizer accumulates (or, at
+    the window's last micro-batch, updates); a discarded window leaves
+    every variable as it was, its micro-steps back at its start and its
+    accumulators zeroed, as do micro-batches after an overflow mid-window;
+    the scale and counters move at the window's end only."""
+    inner = optimizer.inner_optimizer
+    counter_dtype = _scaling_rule.COUNTER_DTYPE
+    _apply_or_keep(decision.finite, apply, inner, variables)
+    micro_steps = _keras_internals.micro_steps(inner)
+    micro_steps.assign(ops.where(decision.finite, micro_steps.value, micro_steps - (window - 1)))
+    discard = ops.logical_not(decision.finite)
+    _keep_where(
+        ops.logical_or(discard, ops.logical_and(ops.logical_not(boundary),
+                                                ops.logical_not(local_finite))),
+        lambda: _keras_internals.reset_gradient_accumulators(inner),
+        list(inner.variables),
+    )
+
+    def end_window():
+        _scaling_step.assign_state(optimizer, decision, variables)
+        optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
+
+    own = [v for v in optimizer.variables if not any(v is w for w in inner.variables)]
+    _keep_where(boundary, end_window, list(variables) + own)
 
 
 def _apply_if(finite, apply, inner, variables, grads):
@@ -306,11 +347,17 @@ def _apply_or_keep(finite, apply, inner, variables):
         inner: The inner Keras optimizer (its slots, iterations, ...).
         variables: The variables `apply` updates.
     """
-    guarded = list(variables) + [v for v in inner.variables]
+    _keep_where(finite, apply, list(variables) + list(inner.variables))
+
+
+def _keep_where(keep, run, guarded):
+    """Runs `run()`, then keeps what it wrote to the `guarded` variables only
+    where `keep` (a select per variable; one `run` did not write reads back
+    as it was, and XLA drops that select)."""
     before = [snapshot(v.value) for v in guarded]
-    apply()
+    run()
     for variable, value in zip(guarded, before):
-        variable.assign(ops.where(finite, variable.value, value))
+        variable.assign(ops.where(keep, variable.value, value))
 
 
 def _clips(optimizer):

@@ -240,7 +240,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         return decision.finite, decision.retry, None
     if select and window:
         _window_step_by_selects(optimizer, decision, boundary, local[0],
-                                lambda: apply_unscaled(grads, variables), variables, window)
+                                lambda: apply_unscaled(grads, variables), variables, grads, window)
         return decision.finite, decision.retry, None
 
     def skip():
@@ -276,16 +276,17 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
 
 
 def _window_step_by_selects(optimizer, decision, boundary, local_finite, apply, variables,
-                            window):
+                            grads, window):
     """An accumulated step's micro-batch under XLA, `_step`'s window path
     with selects for its branches: the inner optimizer accumulates (or, at
-    the window's last micro-batch, updates); a discarded window leaves
+    the window's last micro-batch, updates; a `cond` for a sparse gradient,
+    as `_apply_if` says); a discarded window leaves
     every variable as it was, its micro-steps back at its start and its
     accumulators zeroed, as do micro-batches after an overflow mid-window;
     the scale and counters move at the window's end only."""
     inner = optimizer.inner_optimizer
     counter_dtype = _scaling_rule.COUNTER_DTYPE
-    _apply_or_keep(decision.finite, apply, inner, variables)
+    _apply_if(decision.finite, apply, inner, variables, grads)
     micro_steps = _keras_internals.micro_steps(inner)
     micro_steps.assign(ops.where(decision.finite, micro_steps.value, micro_steps - (window - 1)))
     discard = ops.logical_not(decision.finite)

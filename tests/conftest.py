@@ -183,6 +183,8 @@ SLOW = (
     "test_resume.py::test_the_chief_deletes_its_own_backups_never_a_worker_folder",
     "test_train_function.py::test_fit_gives_what_keras_gives_for_every_input_kind",
     "test_train_function.py::test_jit_compiled_steps_give_what_keras_gives",
+    # The same fit in a TensorFlow and a JAX child process (about 16 s).
+    "test_hazards.py::test_an_epoch_without_an_applied_step_logs_the_same_on_tensorflow_and_jax",
     # Two 8-epoch fits per policy (5 s on TensorFlow, 7 s on JAX).
     "test_float8.py::test_float8_training_ends_near_float32",
     # Three float8 fits with a backup written every epoch (18 s on TensorFlow, 24 s on JAX).

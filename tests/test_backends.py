@@ -114,3 +114,96 @@ def test_only_the_tensorflow_backend_calls_the_boundarys_tensorflow_functions():
                 assert f"_keras_internals.{name}" not in path.read_text(), (path.relative_to(_KMP), name)
     used = "".join(p.read_text() for p in _backend("tensorflow"))
     assert all(f"_keras_internals.{name}" in used for name in tensorflow_only)
+
+
+# The cycles that `backends.get` closes, each an inversion on purpose: the core
+# asks the backend for what differs, and the backend module builds on the core
+# module that asked (docs/design.md draws them). A new one fails here.
+_INVERSIONS = {
+    # The hand-off asks the step module where a traced loss lives and what
+    # line a warning asks for; the scaling step asks it for `snapshot`; the
+    # step modules build on both.
+    frozenset({"kmp.scaling._handoff", "kmp.scaling._step",
+               "kmp.backends.tensorflow.step", "kmp.backends.jax.step"}),
+    # Whether a batch can be redone is the trainer's; the trainers build on
+    # what both share.
+    frozenset({"kmp.scaling._model_step",
+               "kmp.backends.tensorflow.trainer", "kmp.backends.jax.trainer"}),
+    # diagnose's probe asks the backend for the forward and backward pass,
+    # which takes the loss targets from the probe (`targets_for`).
+    frozenset({"kmp.diagnosis._probe", "kmp.backends.tensorflow.probe"}),
+}
+
+
+def _module_name(path):
+    parts = path.relative_to(_KMP.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph():
+    """`{module: modules it imports or asks backends.get for}`, read with
+    ast (imports inside functions included; `kmp` itself left out: every
+    submodule's import goes through the package)."""
+    paths = {_module_name(p): p for p in _KMP.rglob("*.py")}
+
+    def known(name):
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(known(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kmp"):
+                targets.update(known(f"{node.module}.{alias.name}") for alias in node.names)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "get" and isinstance(node.func.value, ast.Name)
+                  and node.func.value.id == "backends" and node.args
+                  and isinstance(node.args[0], ast.Constant)):
+                targets.update(f"kmp.backends.{backend}.{node.args[0].value}"
+                               for backend in ("tensorflow", "jax"))
+        graph[module] = {t for t in targets if t in paths and t not in (module, "kmp")}
+    return graph
+
+
+def _cycles(graph):
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = set()
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.add(other)
+                if other == module:
+                    break
+            if len(component) > 1:
+                found.append(frozenset(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return set(found)
+
+
+def test_the_only_cycles_through_backends_get_are_the_drawn_inversions():
+    graph = _import_graph()
+    assert len(graph) >= _CORE_MODULES + 2 * _BACKEND_MODULES
+    assert _cycles(graph) == _INVERSIONS
+    # What the check relies on: an import back from a core module is found.
+    graph["kmp.policy"] = graph["kmp.policy"] | {"kmp.model"}
+    assert any("kmp.policy" in cycle for cycle in _cycles(graph))

@@ -419,8 +419,8 @@ class RedoLater:
         return self._redo_pending(logs, checked)
 
     def finish_epoch(self):
-        """Redoes every batch still pending; returns the logs of the last
-        step run, or `None` where none was pending."""
+        """Redoes every batch still pending that asks for it; returns the
+        logs of the last step redone, or `None` where none was."""
         if not self._pending:
             return None
         return self._redo_pending(None, None)

@@ -22,7 +22,8 @@ uses it says more):
 | name | here | used by | why |
 |---|---|---|---|
 | `Layer._flatten_layers` | `nested_layers` | `precision/_settle.py`, `precision/_float32_layers.py`, `precision/_keep_float32.py`, `precision/_token_ids.py`, `precision/_layer_dtypes.py`, `convert.py`, `export.py`, `diagnose.py`, `diagnosis/_static.py` | every nested layer, which `model.layers` does not list |
-| `Layer._call_has_training_arg` | `call_takes_training` | `convert.py` | call a wrapped model as Keras would |
+| `Layer._call_has_training_arg` | `call_takes_training` | `convert.py`, `backends/tensorflow/trainer.py` | call a wrapped model, and a model in kmp.Model's own TensorFlow step, as Keras would |
+| `Trainer._compute_loss` | `compute_loss` | `backends/tensorflow/trainer.py` | kmp.Model's own TensorFlow step computes the loss as Keras' step does (an override of `compute_loss` without `training` still works) |
 | `Layer._convert_input_args` | `converts_inputs` | `precision/_settle.py` | whether a float32 layer's consumer casts its outputs back to 16 bits itself |
 | `KerasTensor._keras_history` | `producing_layer` | `diagnosis/_static.py` | which layer produced a functional model's output |
 | `Operation._inbound_nodes` | `producing_inputs` | `float8.py` (through `precision/_float8_rule.py`) | the tensors a layer was called on: the rule walks a functional model back from its output, through layers without weights, to the layer that makes it |
@@ -58,6 +59,7 @@ holding an embedding hands float32 ids on unrounded.
 import keras
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.export.export_utils import get_input_signature
+from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer
 from keras.src.models.model import functional_init_arguments
@@ -74,6 +76,7 @@ __all__ = [
     "is_remote_path",
     "no_automatic_dependency_tracking",
     "print_msg",
+    "unscale_loss_for_distribution",
 ]
 
 
@@ -392,6 +395,19 @@ def update_metrics_variables(model, metrics_values, unscaled_loss, x, y, y_pred,
     """
     return model._update_metrics_variables(
         metrics_values, unscaled_loss, x, y, y_pred, sample_weight
+    )
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """`model`'s loss in a train step, as Keras' own train step computes it.
+
+    `Trainer._compute_loss` (Keras 3.3 on): `compute_loss(..., training=True)`,
+    or without `training` for an override of `compute_loss` that does not
+    take it. kmp.Model's own TensorFlow step computes its loss here, as
+    Keras' `train_step` does.
+    """
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
     )
 
 

@@ -289,6 +289,33 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             redo a skipped batch (the scale has backed off already):
             `if not optimizer.apply(grads): ...`.
         """
+        if not self.enabled:
+            self._kmp_record.take()
+            return self._kmp_apply(grads, trainable_variables, divide=False, loss=None).finite
+        divide, loss = _handoff.take_for_apply(self)
+        answer = self._kmp_apply(grads, trainable_variables, divide=divide, loss=loss)
+        self._kmp_record.answer = answer
+        return answer.finite
+
+    def _kmp_apply(self, grads, trainable_variables, *, divide, loss, request=None):
+        """`apply`, told what it is given, with the answer returned as values.
+
+        What `apply` runs once it has read the step's record
+        (`kmp.scaling._handoff`), and what kmp.Model's own TensorFlow step
+        calls directly: it scaled the loss itself and may ask for more.
+
+        Args:
+            grads: List of gradients (`None` entries are left out).
+            trainable_variables: List of variables, or `None` for the ones
+                the optimizer was built with.
+            divide: Bool. Whether `grads` carry the loss scale.
+            loss: The unscaled loss, or `None` where unknown.
+            request: A `kmp.scaling._handoff.StepRequest` (retries left, a
+                deferred apply), or `None`.
+
+        Returns:
+            The `kmp.scaling._handoff.StepAnswer`.
+        """
         trainable_variables = list(
             _keras_internals.built_variables(self) if trainable_variables is None else trainable_variables
         )
@@ -303,11 +330,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self, list(grads), trainable_variables
         )
         if not self.enabled:
-            self._kmp_record.take()
             self.inner_optimizer.apply(grads, trainable_variables)
-            return ops.convert_to_tensor(True)
-        divide, loss = _handoff.take_for_apply(self)
-        request = self._kmp_record.request
+            return _handoff.StepAnswer(ops.convert_to_tensor(True))
         steps = _scaling_step.accumulation_steps(self)
         if request is not None and request.retries_left is not None and steps:
             raise ValueError(
@@ -315,11 +339,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "`gradient_accumulation_steps` (a retry would redo one micro-batch "
                 f"of a window). Received: gradient_accumulation_steps={steps}"
             )
-        answer = backends.get("step").apply(
+        return backends.get("step").apply(
             self, grads, trainable_variables, divide=divide, loss=loss, request=request
         )
-        self._kmp_record.answer = answer
-        return answer.finite
 
     def get_config(self):
         config = {

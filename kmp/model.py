@@ -403,12 +403,13 @@ class Model(_keras_internals.ModelBase):
         return [_to_float32(loss) for loss in super().losses]
 
     def train_step(self, *args, **kwargs):
-        """Keras' own step, with a skipped step kept out of the epoch's logs
-        and, with `overflow_retries`, an overflowing batch redone (see
-        `kmp/backends/tensorflow/trainer.py`; there kmp's train function
-        also passes `attempt=`, the attempt of a batch it redoes). On JAX,
-        `train_step(state, data)` as Keras' JAX trainer calls it (see
-        `kmp/backends/jax/trainer.py`)."""
+        """Keras' train step with kmp's loss-scaled apply: a skipped step
+        kept out of the epoch's logs and, with `overflow_retries`, an
+        overflowing batch redone; the logs carry `loss_scale` and
+        `skipped_steps` (see `kmp/backends/tensorflow/trainer.py`; there
+        kmp's train function also passes `attempt=`, the attempt of a batch
+        it redoes). On JAX, `train_step(state, data)` as Keras' JAX trainer
+        calls it (see `kmp/backends/jax/trainer.py`)."""
         return backends.get("trainer").train_step(self, *args, super().train_step, **kwargs)
 
     def make_train_function(self, force=False):
@@ -427,8 +428,9 @@ class Model(_keras_internals.ModelBase):
             # metrics, its optimizer) or before a monitor was attached.
             step = type(self).train_step
             wrapper = trainer.reporting_step(self, step, own=step is Model.train_step)
-            wrapper._kmp_reporting = True
-            object.__setattr__(self, "train_step", wrapper)
+            if wrapper is not None:  # None: kmp.Model's own step reports itself
+                wrapper._kmp_reporting = True
+                object.__setattr__(self, "train_step", wrapper)
         super().make_train_function(force=force)
         # Under XLA on TensorFlow kmp's train function redoes an overflowing
         # batch by calling the compiled step again.

@@ -20,14 +20,12 @@ COUNTER_DTYPE = _backend.COUNTER_DTYPE
 COUNTER_MAX = int(np.iinfo(COUNTER_DTYPE).max)
 
 
-def map_gradient(fn, gradient):
-    """Applies `fn` to a dense gradient or to the values of a sparse one."""
-    return None if gradient is None else _backend.map_gradient(fn, gradient)
-
-
-def values(gradient):
-    """The tensor of values: the dense gradient, or a sparse one's `.values`."""
-    return _backend.values(gradient)
+# The backend's own functions, called directly (once per gradient):
+# `map_gradient(fn, gradient)` applies `fn` to a dense gradient or to the
+# values of a sparse one (`None` stays `None`); `values(gradient)` is the
+# tensor of values, the dense gradient or a sparse one's `.values`.
+map_gradient = _backend.map_gradient
+values = _backend.values
 
 
 def finite_flags(gradients):

@@ -1,27 +1,28 @@
 """What a train step tells its loss scaler, and what the scaler answers.
 
-One place for the whole contract. A `kmp.LossScaleOptimizer` owns one
-`StepRecord` (thread-local: MirroredStrategy traces each replica in its own
-thread, and each replica's step gets its own record). Three parties write it,
-each its own part, and nothing else passes between them:
+kmp.Model's own train step passes values: it scales the loss itself and
+calls the scaler's `_kmp_apply(grads, variables, divide=, loss=,
+request=)` with a `StepRequest` (the retries this batch has left, whether
+to defer the apply), and gets a `StepAnswer` back.
+
+Code kmp does not own (a subclass's `train_step`, a GAN's or a VAE's, a
+`GradientTape` loop) calls only the optimizer's public methods. For it each
+`kmp.LossScaleOptimizer` keeps one `StepRecord` (thread-local:
+MirroredStrategy traces each replica in its own thread), in which:
 
 - **the user's step**, through the optimizer's public methods:
   `scale_loss(loss)` records that the loss was scaled, and the unscaled loss;
   `get_unscaled_gradients(grads)` records that the gradients were divided.
-- **kmp.Model's train step** opens `model_step()` around the user's step and
-  may ask more of one apply with `asking(retries_left=, defer=)`: a
-  `StepRequest`. Outside kmp.Model's train step there is none.
+- **kmp.Model's train function** opens `model_step()` around a subclass's
+  step (`kmp.scaling._model_step.inside_model_step`).
 - **the scaler's `apply`** takes the first part (`take_for_apply`) and leaves
-  a `StepAnswer`: whether the gradients were finite (and applied, unless
-  deferred), whether to redo the batch, the unscaled loss, and, when asked to
-  defer, the `DeferredApply` the step applies after its retry loop.
+  its `StepAnswer`, from which the logs learn that it applied.
 
 ```
-with record.model_step():                    # kmp.Model's train step
+with record.model_step():                    # around a subclass's train step
     loss = optimizer.scale_loss(loss)        # user: scaled, loss
-    with record.asking(retries_left=n):      # kmp.Model: StepRequest
-        optimizer.apply(grads)               # scaler: take_for_apply(), then
-    record.answer                            #   StepAnswer(finite, retry, loss, deferred)
+    optimizer.apply(grads)                   # scaler: take_for_apply(), then
+record.answer                                #   StepAnswer(finite, retry, loss, deferred)
 ```
 
 Gradients of a loss that did not go through `scale_loss`: inside kmp.Model's
@@ -42,7 +43,7 @@ from kmp import backends
 StepRequest = collections.namedtuple(
     "StepRequest", ["retries_left", "defer"], defaults=(None, False)
 )
-StepRequest.__doc__ = """What kmp.Model's train step asks of one `apply`.
+StepRequest.__doc__ = """What kmp.Model's own train step asks of one apply.
 
 Fields:
     retries_left: Int tensor, or `None`: the retries this batch has left
@@ -85,15 +86,13 @@ class StepRecord(threading.local):
     """The hand-off between one replica's train step and its scaler.
 
     Attributes:
-        request: The `StepRequest` of kmp.Model's train step, or `None`
-            outside it.
         answer: The `StepAnswer` of the latest `apply` in this model step,
             or `None` before it.
     """
 
     def __init__(self):
         self._scaled, self._loss, self._divided = False, None, False
-        self.request, self.answer = None, None
+        self.in_model_step, self.answer = False, None
 
     def __reduce__(self):
         return StepRecord, ()  # a copy starts with a fresh record
@@ -105,28 +104,14 @@ class StepRecord(threading.local):
     def note_divided(self):
         self._divided = True
 
-    @property
-    def in_model_step(self):
-        return self.request is not None
-
     @contextlib.contextmanager
     def model_step(self):
-        """kmp.Model's train step: its request, and no answer yet."""
-        self.request, self.answer = StepRequest(), None
+        """Inside kmp.Model's train step (a subclass's), with no answer yet."""
+        self.in_model_step, self.answer = True, None
         try:
             yield self
         finally:
-            self.request = None
-
-    @contextlib.contextmanager
-    def asking(self, **request):
-        """Asks the next `apply` for more (`StepRequest`'s fields)."""
-        before = self.request
-        self.request = (before or StepRequest())._replace(**request)
-        try:
-            yield self
-        finally:
-            self.request = before
+            self.in_model_step = False
 
     def take(self):
         """`(scaled, divided, loss)` of the step so far; clears them."""

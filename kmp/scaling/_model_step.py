@@ -164,13 +164,13 @@ def retry_budget(model, optimizer):
     return ops.cast(ops.where(settled, _AUTO_RETRIES, _SETTLING_RETRIES), "int32")
 
 
-def scaler_logs(model, applied, retrying=False):
+def scaler_logs(model, applied, retrying=False, loss=None):
     """The logs of the loss scalers that applied in a train step.
 
     One scaler: `loss_scale` and `skipped_steps` (plus `retried_steps` when
-    `retrying`, and the monitor's per-step values while one watches).
-    Several (a GAN's): each named after its attribute,
-    `d_optimizer_loss_scale`, ...
+    `retrying`, and, given the step's unscaled `loss`, the monitor's
+    per-step values while one watches). Several (a GAN's): each named after
+    its attribute, `d_optimizer_loss_scale`, ...
     """
     names = {id(opt): name for name, opt in _optimizers.scaling_optimizers(model).items()}
     scalers = [
@@ -183,10 +183,9 @@ def scaler_logs(model, applied, retrying=False):
         logs[prefix + "skipped_steps"] = optimizer.skipped_steps
         if retrying:
             logs[prefix + "retried_steps"] = optimizer.counters["retries"]
-    answer = scalers[0]._kmp_record.answer if len(scalers) == 1 else None
-    loss = None if answer is None else answer.loss
     if (
-        loss is not None
+        len(scalers) == 1
+        and loss is not None
         and scalers[0]._monitored
         and model.distribute_strategy.num_replicas_in_sync == 1
     ):

@@ -11,8 +11,8 @@ COUNTER_DTYPE = "int32"
 
 
 def map_gradient(fn, gradient):
-    """Applies `fn` to a gradient."""
-    return fn(gradient)
+    """Applies `fn` to a gradient (`None` stays `None`)."""
+    return None if gradient is None else fn(gradient)
 
 
 def values(gradient):

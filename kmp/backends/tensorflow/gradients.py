@@ -10,7 +10,10 @@ COUNTER_DTYPE = "int64"
 
 
 def map_gradient(fn, gradient):
-    """Applies `fn` to a dense gradient or to the values of a sparse one."""
+    """Applies `fn` to a dense gradient or to the values of a sparse one
+    (`None`, a variable without a gradient, stays `None`)."""
+    if gradient is None:
+        return None
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(fn(gradient.values), gradient.indices, gradient.dense_shape)
     return fn(gradient)

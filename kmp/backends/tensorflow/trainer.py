@@ -4,21 +4,25 @@ The same names as `kmp/backends/jax/trainer.py` (`train_step`,
 `reporting_step`, `train_function`, `test_function`, `check_compile`,
 `strategy_scope`, `can_retry`, `build_from_iterator`, `finish_epoch`):
 
-- `reporting_step` wraps the `train_step` of the kmp.Model being trained
-  (set once on the instance): the logs carry each loss scaler that applied.
-- `train_step` runs Keras' step so that a skipped step's loss and metrics
-  stay out of the epoch's logs, and, with `overflow_retries`, redoes a batch
-  whose gradients overflowed at a lower scale (`_retry_overflows`; under XLA
-  `_retry_overflows_compiled`, or kmp's train function around the compiled
-  step, `kmp.backends.tensorflow.distribute.make_function`).
+- `train_step` is kmp.Model's own step: Keras' forward and backward pass,
+  the scaler's apply called with values and answering with values, a
+  skipped step's loss and metrics kept out of the epoch's logs, and, with
+  `overflow_retries`, a batch whose gradients overflowed redone at a lower
+  scale (`_retry_overflows`; under XLA `_retry_overflows_compiled`, or kmp's
+  train function around the compiled step,
+  `kmp.backends.tensorflow.distribute.make_function`).
+- `reporting_step` wraps a subclass's own `train_step` (set once on the
+  instance): the logs carry each loss scaler that applied.
 """
 
 import functools
 
+import keras
 import tensorflow as tf
 from keras import ops
 
 from kmp import _keras_internals
+from kmp.scaling import _handoff
 from kmp.scaling import _model_step
 from kmp import loss_scale as loss_scale_module
 from kmp.backends.tensorflow import distribute as distribute_module
@@ -109,7 +113,8 @@ def build_from_iterator(model, iterator, strategy):
 
 
 def reporting_step(model, train_step, own):
-    """Wraps `model`'s `train_step` so that its logs carry the loss scalers' state.
+    """Wraps a subclass's own `train_step` so that its logs carry the loss
+    scalers' state; `None` for kmp.Model's own step, which reports itself.
 
     Set once on the model instance by `kmp.Model.make_train_function` (a
     subclass's own step, a GAN's or a VAE's, with no change to the user's
@@ -117,51 +122,67 @@ def reporting_step(model, train_step, own):
     learns that it runs inside kmp.Model's train step (so gradients of a loss
     that skipped `scale_loss` are applied undivided); after it, the logs
     carry each scaler that applied (`loss_scale`, `skipped_steps`;
-    `d_optimizer_loss_scale`, ... for several).
+    `d_optimizer_loss_scale`, ... for several), read from what each one's
+    `apply` recorded (`kmp.scaling._handoff.StepRecord`).
 
     Args:
         model: The `kmp.Model`.
         train_step: The function of its class, called with `(model, data)`.
-        own: Bool. Whether it is kmp.Model's own, where `overflow_retries`
-            applies.
+        own: Bool. Whether it is kmp.Model's own.
 
     Returns:
-        A function of `data` (and, for kmp.Model's own step, the `attempt`
-        kmp's train function passes: see `train_step`), to be set as the
-        instance's `train_step`.
+        A function of `data`, to be set as the instance's `train_step`, or
+        `None` where `own`.
     """
+    if own:
+        return None
+
     @functools.wraps(train_step)
-    def train_step_with_scaler_logs(data, **kwargs):  # `attempt=`, for kmp's own step
+    def train_step_with_scaler_logs(data):
         _model_step.check_overflow_retries(model, own)
         with _model_step.inside_model_step(model, own) as scalers:
-            logs = train_step(model, data, **kwargs)
+            logs = train_step(model, data)
             applied = _model_step.applied(scalers)
             if applied and isinstance(logs, dict):
-                retrying = own and _model_step.retries_on(model, model.optimizer)
-                logs = dict(logs, **_model_step.scaler_logs(model, applied, retrying))
+                answer = applied[0]._kmp_record.answer if len(applied) == 1 else None
+                logs = dict(logs, **_model_step.scaler_logs(
+                    model, applied, loss=None if answer is None else answer.loss
+                ))
         return logs
 
     return train_step_with_scaler_logs
 
 
 def train_step(model, data, keras_train_step, attempt=None):
-    """Keras' own step (`keras_train_step`), with a skipped step kept out of
-    the epoch's logs.
+    """kmp.Model's own train step: Keras' step, with the loss-scaled apply
+    and a skipped step kept out of the epoch's logs.
 
-    Keras' step calls `optimizer.scale_loss(loss)` and
-    `optimizer.apply_gradients`, which is all kmp's scaler needs. Keras
-    would also count a skipped step's loss and metrics (one poisoned
-    batch would make the epoch's loss NaN, and `TerminateOnNaN` or
-    `EarlyStopping` react to a step that never happened): kmp restores
-    the metrics to what they were before a skipped step and counts its
-    loss out of the epoch's mean; in an epoch in which no step was applied
-    yet the logs carry the (skipped) step's own loss, as on JAX.
+    ```
+    x, y, sample_weight = data
+    with GradientTape() as tape:              # as Keras' own train_step
+        loss = compute_loss(x, y, model(x, training=True), sample_weight)
+        scaled = loss * loss_scale
+    answer = scaler._kmp_apply(tape.gradient(scaled, weights), loss=loss, request)
+    compute_metrics(...)                      # then restored where not answer.finite
+    logs = metrics + scaler_logs(answer.loss) # + the retry flag (`attempt`)
+    ```
 
-    `attempt` (an int tensor) is passed by kmp's train function where it
-    redoes a batch around this step compiled by XLA
-    (`kmp.backends.tensorflow.distribute.make_function`): the step is then
-    one attempt, with `retries - attempt` retries left, and its logs say
-    whether to redo the batch (`distribute.RETRY_LOG`).
+    Keras would count a skipped step's loss and metrics (one poisoned batch
+    would make the epoch's loss NaN, and `TerminateOnNaN` or `EarlyStopping`
+    react to a step that never happened): kmp restores the metrics to what
+    they were before a skipped step and counts its loss out of the epoch's
+    mean; in an epoch in which no step was applied yet the logs carry the
+    (skipped) step's own loss, as on JAX. Without a loss scaler (or with
+    one not `enabled`, or no trainable weight) Keras' own step runs
+    (`keras_train_step`).
+
+    With `overflow_retries` a batch whose gradients overflowed is redone at
+    a lower scale: in this step (`_retry_overflows`; under XLA
+    `_retry_overflows_compiled`), or, where kmp's train function redoes it
+    around this step compiled by XLA
+    (`kmp.backends.tensorflow.distribute.make_function`), one `attempt` (an
+    int tensor) per call, with `retries - attempt` retries left, whose logs
+    say whether to redo the batch (`distribute.RETRY_LOG`).
     """
     optimizer = model.optimizer
     if (
@@ -178,16 +199,14 @@ def train_step(model, data, keras_train_step, attempt=None):
     retries = _model_step.retry_budget(model, optimizer)
     retry = None
     if retries is not None and attempt is not None:
-        # kmp's train function redoes the batch around this compiled step
-        # (see `kmp.backends.tensorflow.distribute.make_function`): one attempt here.
-        with optimizer._kmp_record.asking(retries_left=retries - attempt):
-            loss, retry = _one_attempt(model, data, optimizer, keras_train_step)
+        answer = _attempt(model, data, optimizer, retries_left=retries - attempt)
+        loss, retry = answer.loss, answer.retry
     elif retries is not None:
-        loss = _retry_overflows(model, data, optimizer, retries, keras_train_step)
+        loss = _retry_overflows(model, data, optimizer, retries)
     else:
-        loss, _ = _one_attempt(model, data, optimizer, keras_train_step)
+        loss = _attempt(model, data, optimizer).loss
     logs = dict(model.get_metrics_result())
-    if "loss" in logs and loss is not None:
+    if "loss" in logs:
         # No step applied yet this epoch: the loss of this skipped one, as
         # on JAX (Keras' mean of no step would be 0). Keras' loss tracker
         # holds each replica's loss times the replicas, as here.
@@ -201,44 +220,54 @@ def train_step(model, data, keras_train_step, attempt=None):
         logs[distribute_module.RETRY_LOG] = (
             ops.convert_to_tensor(False) if retry is None else ops.cast(retry, "bool")
         )
+    # `retried_steps` where batches can be redone (`retry_budget` not `None`).
+    logs.update(_model_step.scaler_logs(model, [optimizer], retries is not None, loss=loss))
     return logs
 
 
-def _one_attempt(model, data, optimizer, keras_train_step):
-    """Keras' step on one batch; a skipped step leaves the metrics as they were.
+def _attempt(model, data, optimizer, retries_left=None, defer=False):
+    """Keras' train step on one batch, with kmp's scaled apply; a skipped
+    step leaves the metrics as they were.
 
     Returns:
-        `(loss, retry)`: the unscaled loss and whether the optimizer asks
-        for the batch again (`None` without retries).
+        The scaler's `kmp.scaling._handoff.StepAnswer` (`loss`: the
+        unscaled loss).
     """
     metric_variables = list(model.metrics_variables)
     before = [tf.identity(v.value) for v in metric_variables]
-    record = optimizer._kmp_record
-    record.answer = None
-    keras_train_step(data)
-    answer = record.answer
-    if answer is None or answer.finite is None or answer.loss is None:
-        return (None, None) if answer is None else (answer.loss, answer.retry)
-    finite, loss, retry = answer.finite, answer.loss, answer.retry
-
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True) if _keras_internals.call_takes_training(model) else model(x)
+        loss = _keras_internals.compute_loss(model, x, y, y_pred, sample_weight)
+        _keras_internals.loss_tracker(model).update_state(
+            _keras_internals.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
+        )
+        scaled = ops.multiply(loss, optimizer.loss_scale)
+    trainable_weights = model.trainable_weights
+    answer = optimizer._kmp_apply(
+        tape.gradient(scaled, trainable_weights), trainable_weights, divide=True, loss=loss,
+        request=_handoff.StepRequest(retries_left=retries_left, defer=defer),
+    )
+    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     # Selects, not a cond: on a CPU a cond costs more than a few scalar
     # assigns, and the metric variables are a handful of scalars.
-    finite = ops.cast(finite, "bool")
+    finite = ops.cast(answer.finite, "bool")
     for variable, value in zip(metric_variables, before):
         variable.assign(ops.where(finite, variable.value, value))
-    return loss, retry
+    return answer
 
 
-def _retry_overflows(model, data, optimizer, retries, keras_train_step):
+def _retry_overflows(model, data, optimizer, retries):
     """Redoes a batch whose gradients overflowed, at a lower scale.
 
     ```
     attempt = 0
     do:
-        loss, retry = one attempt, `retries - attempt` retries left
+        answer = one attempt, `retries - attempt` retries left
         attempt += 1
-    while retry   # the gradients overflowed, the loss did not, and
-                  # retries were left: the scale was backed off
+    while answer.retry   # the gradients overflowed, the loss did not, and
+                         # retries were left: the scale was backed off
     ```
 
     The first attempt is straight-line code; a `tf.while_loop` redoes the
@@ -248,8 +277,7 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     shape (`_retry_overflows_compiled`).
 
     Returns:
-        The unscaled loss of the attempt that counted (`None` where none
-        was recorded).
+        The unscaled loss of the attempt that counted.
     """
     if not _keras_internals.supports_no_merge_call():
         raise ValueError(
@@ -262,13 +290,11 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
         )
 
     if _keras_internals.in_xla_context():
-        return _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
+        return _retry_overflows_compiled(model, data, optimizer, retries)
 
     def attempt(count, retry, loss):
-        # An input of the scaler's step (`kmp.scaling._handoff.StepRequest`).
-        with optimizer._kmp_record.asking(retries_left=retries - count):
-            new_loss, new_retry = _one_attempt(model, data, optimizer, keras_train_step)
-        return count + 1, new_retry, ops.cast(new_loss, "float32")
+        answer = _attempt(model, data, optimizer, retries_left=retries - count)
+        return count + 1, answer.retry, ops.cast(answer.loss, "float32")
 
     # The first attempt runs as straight-line code: a step inside a
     # `tf.while_loop` runs measurably slower (about 15% on a model of many
@@ -283,13 +309,10 @@ def _retry_overflows(model, data, optimizer, retries, keras_train_step):
     def redo(count, retry, loss):
         return tf.while_loop(lambda count, retry, loss: retry, attempt, (count, retry, loss))[2]
 
-    loss = tf.cond(retry, lambda: redo(count, retry, loss), lambda: loss)
-    # The loss of the attempt that counted, for the monitor's logs.
-    _answer_loss(optimizer, loss)
-    return loss
+    return tf.cond(retry, lambda: redo(count, retry, loss), lambda: loss)
 
 
-def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step):
+def _retry_overflows_compiled(model, data, optimizer, retries):
     """`_retry_overflows` under XLA: the loop carries gradients, not variables.
 
     ```
@@ -305,25 +328,14 @@ def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
     write the variables (a whole step redone) copies every weight and slot
     on every step, even when it does not run (a `tf.cond` around the retry
     loop copied each kernel and slot twice per step). Here no loop or branch
-    writes a variable but the apply, whose skip branch alone copies them.
-    Without XLA, where a branch not taken costs its ops and no copies,
-    `_retry_overflows` keeps the loop that redoes whole steps.
+    writes a variable but the apply, whose skip is a select
+    (`kmp.backends.tensorflow.step.DeferredApply`). Without XLA, where a
+    branch not taken costs its ops and no copies, `_retry_overflows` keeps
+    the loop that redoes whole steps.
     """
-    record = optimizer._kmp_record
-
     def attempt(count):
-        # Inputs of the scaler's step (`kmp.scaling._handoff.StepRequest`).
-        with record.asking(retries_left=retries - count, defer=True):
-            loss, retry = _one_attempt(model, data, optimizer, keras_train_step)
-        answer = record.answer
-        deferred = None if answer is None else answer.deferred
-        if deferred is None:  # the step applied no gradients through this scaler
-            raise ValueError(
-                "`overflow_retries` redoes batches whose gradients the model's optimizer "
-                f"applies; this train step applied none through {optimizer.name}. "
-                "Compile it with overflow_retries=0."
-            )
-        return count + 1, retry, ops.cast(loss, "float32"), answer.finite, deferred
+        answer = _attempt(model, data, optimizer, retries_left=retries - count, defer=True)
+        return count + 1, answer.retry, ops.cast(answer.loss, "float32"), answer.finite, answer.deferred
 
     count, retry, loss, finite, deferred = attempt(ops.convert_to_tensor(0))
     # A sparse gradient (an embedding's `IndexedSlices`) enters the loop as
@@ -346,14 +358,4 @@ def _retry_overflows_compiled(model, data, optimizer, retries, keras_train_step)
     grads = [g if shape is None else tf.IndexedSlices(g[0], g[1], shape)
              for g, shape in zip(grads, dense_shapes)]
     deferred.apply_if(finite, grads, scale)
-    # The loss of the attempt that counted, for the monitor's logs.
-    _answer_loss(optimizer, loss)
     return loss
-
-
-def _answer_loss(optimizer, loss):
-    record = optimizer._kmp_record
-    if record.answer is not None:
-        record.answer = record.answer._replace(loss=loss)
-
-

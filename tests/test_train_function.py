@@ -221,3 +221,52 @@ def test_kmp_function_honours_unrolled_steps_per_execution_as_keras(unrolled):
         if node.op in ("StatefulPartitionedCall", "PartitionedCall")
     )
     assert step_calls == 1 + unrolled
+
+
+def _with_own_loss(base):
+    """A model class overriding `compute_loss` the Keras 3.0 way (no
+    `training` argument): an L2 term on the first kernel added."""
+
+    class WithOwnLoss(base):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+            loss = super().compute_loss(x, y, y_pred, sample_weight)
+            return loss + 0.01 * keras.ops.sum(keras.ops.square(self.layers[1].kernel))
+
+    return WithOwnLoss
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(jit_compile=True), dict(steps_per_execution=2)],
+    ids=["traced", "jit", "steps_per_execution"],
+)
+def test_kmps_own_scaled_step_gives_what_keras_step_gives(settings):
+    # kmp.Model's own step with its scaler (dynamic, 2**15: powers of two,
+    # exact in float32) against Keras' own step without one: the same
+    # `compute_loss` override (without `training`), sample weights,
+    # metrics, losses and weights, with the scaler's logs besides.
+    x, y, weights = _arrays()
+    results = {}
+    for model_class, scaling in ((keras.Model, {}), (kmp.Model, dict(loss_scale="dynamic"))):
+        model = _model(_with_own_loss(model_class))
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"], jit_compile=settings.get("jit_compile", False),
+            steps_per_execution=settings.get("steps_per_execution", 1), **scaling,
+        )
+        history = model.fit(x, y, sample_weight=weights, batch_size=8, epochs=2, verbose=0)
+        results[model_class] = model, history.history
+    (reference, expected), (model, history) = results[keras.Model], results[kmp.Model]
+    assert set(history) == set(expected) | {"loss_scale", "skipped_steps", "retried_steps"}
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-6, err_msg=key)
+    assert history["loss_scale"] == [2.0**15] * 2 and history["skipped_steps"] == [0, 0]
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 10
+    for variable, reference_variable in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(variable.numpy(), reference_variable.numpy(), rtol=1e-6)
+    # Values, not a side channel: the step neither replaced the instance's
+    # `train_step` nor left an answer in the scaler's record (which serves
+    # code kmp does not own: a subclass's step, a GradientTape loop).
+    assert "train_step" not in vars(model)
+    assert model.optimizer._kmp_record.answer is None

@@ -125,10 +125,6 @@ _INVERSIONS = {
     # step modules build on both.
     frozenset({"kmp.scaling._handoff", "kmp.scaling._step",
                "kmp.backends.tensorflow.step", "kmp.backends.jax.step"}),
-    # Whether a batch can be redone is the trainer's; the trainers build on
-    # what both share.
-    frozenset({"kmp.scaling._model_step",
-               "kmp.backends.tensorflow.trainer", "kmp.backends.jax.trainer"}),
     # diagnose's probe asks the backend for the forward and backward pass,
     # which takes the loss targets from the probe (`targets_for`).
     frozenset({"kmp.diagnosis._probe", "kmp.backends.tensorflow.probe"}),

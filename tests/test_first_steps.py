@@ -14,6 +14,11 @@ import tensorflow as tf
 import kmp
 
 
+
+def _can_retry():
+    # The TensorFlow trainer's answer here (a step without merge_call).
+    return kmp.backends.get("trainer").can_retry()
+
 def _overflowing_regression(steps, **compile_kwargs):
     """A float16 regression whose first gradients overflow at 2**15 (targets
     ~300: d(mse)/dw ~ 600 per unit input, times 2**15 > float16's max) but not
@@ -53,9 +58,9 @@ def test_after_the_first_applied_step_auto_gives_one_retry():
     from kmp.scaling import _model_step
 
     model, _ = _overflowing_regression(2)
-    assert int(_model_step.retry_budget(model, model.optimizer)) == _model_step._AUTO_RETRIES == 1
+    assert int(_model_step.retry_budget(model, model.optimizer, can_retry=_can_retry())) == _model_step._AUTO_RETRIES == 1
     fresh = kmp.LossScaleOptimizer(keras.optimizers.SGD())
-    assert int(_model_step.retry_budget(model, fresh)) == _model_step._SETTLING_RETRIES
+    assert int(_model_step.retry_budget(model, fresh, can_retry=_can_retry())) == _model_step._SETTLING_RETRIES
 
 
 def test_auto_has_no_retries_where_they_cannot_run(mirrored_strategy):
@@ -68,9 +73,9 @@ def test_auto_has_no_retries_where_they_cannot_run(mirrored_strategy):
         model.compile("sgd", "mse")  # the default: no error under merge_call
     assert model.get_compile_config()["overflow_retries"] == "auto"
     with mirrored_strategy.scope():
-        assert _model_step.retry_budget(model, model.optimizer) is None
+        assert _model_step.retry_budget(model, model.optimizer, can_retry=_can_retry()) is None
     fixed = kmp.LossScaleOptimizer("sgd", dynamic=False)
-    assert _model_step.retry_budget(model, fixed) is None
+    assert _model_step.retry_budget(model, fixed, can_retry=_can_retry()) is None
 
 
 def test_a_rare_overflowing_batch_moves_the_scale_as_a_skip_would():
@@ -256,7 +261,7 @@ def test_who_made_the_scaler_survives_recompile_keras_file_and_load_model(tmp_pa
     from kmp.scaling import _model_step
 
     def retries(model):
-        return _model_step.retry_budget(model, model.optimizer) is not None
+        return _model_step.retry_budget(model, model.optimizer, can_retry=_can_retry()) is not None
 
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((4,))
@@ -273,7 +278,7 @@ def test_who_made_the_scaler_survives_recompile_keras_file_and_load_model(tmp_pa
     model.compile(model.optimizer, "mse")  # still the user's
     assert not retries(model)
     model.compile(users, "mse", overflow_retries=3)
-    assert int(_model_step.retry_budget(model, model.optimizer)) == 3
+    assert int(_model_step.retry_budget(model, model.optimizer, can_retry=_can_retry())) == 3
     model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0),
                   "mse")
     assert not retries(model)  # Keras' scaler, taken over by kmp's, is the user's

@@ -24,7 +24,6 @@ from keras import ops
 from kmp.precision import _float32_layers
 from kmp.scaling import _optimizers
 from kmp.scaling import _step as _scaling_step
-from kmp import backends
 from kmp import loss_scale as loss_scale_module
 
 # Log keys that carry kmp.callbacks.LossScaleMonitor's per-step values out of
@@ -130,8 +129,10 @@ def is_users_scaler(model, optimizer):
     return optimizer is not None and optimizer is getattr(model, "_kmp_users_scaler", None)
 
 
-def retries_on(model, optimizer):
-    """Whether a batch of `model`'s own train step can be redone (see `retry_budget`)."""
+def retries_on(model, optimizer, can_retry):
+    """Whether a batch of `model`'s own train step can be redone (see
+    `retry_budget`; `can_retry`: the backend's answer, whether a batch can be
+    redone there at all, `trainer.can_retry()`)."""
     asked = _asked_retries(model)
     if asked != "auto":
         return bool(asked)
@@ -142,23 +143,23 @@ def retries_on(model, optimizer):
         and optimizer.enabled
         and optimizer.dynamic
         and not _scaling_step.accumulation_steps(optimizer)
-        and backends.get("trainer").can_retry()
+        and can_retry
     )
 
 
-def retry_budget(model, optimizer):
+def retry_budget(model, optimizer, can_retry):
     """The retries a batch of `model`'s own train step gets, or `None` (none).
 
     `compile(overflow_retries=n)`: `n` (`None` for 0). `"auto"`: where a retry
     can run and kmp made the scaler (a dynamic kmp scaler around the optimizer
     compile was given, without gradient accumulation, and a step without
-    `merge_call`), an int32 tensor: `_SETTLING_RETRIES` until a step
+    `merge_call`: `can_retry`, the trainer's `can_retry()`), an int32 tensor: `_SETTLING_RETRIES` until a step
     has been applied, then `_AUTO_RETRIES`; elsewhere `None`.
     """
     asked = _asked_retries(model)
     if asked != "auto":
         return asked or None
-    if not retries_on(model, optimizer):
+    if not retries_on(model, optimizer, can_retry):
         return None
     settled = ops.greater(optimizer.iterations, 0)
     return ops.cast(ops.where(settled, _AUTO_RETRIES, _SETTLING_RETRIES), "int32")

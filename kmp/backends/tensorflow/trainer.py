@@ -55,7 +55,8 @@ def train_function(model, own_step):
     (`distribute.make_function`); the monitor's values leave the logs.
     """
     retries = bool(
-        model.jit_compile and own_step and _model_step.retries_on(model, model.optimizer)
+        model.jit_compile and own_step
+        and _model_step.retries_on(model, model.optimizer, can_retry())
     )
     return _TrainFunction(model, distribute_module.train_or_test_function(
         model, model.train_step, model.train_function, retries=retries
@@ -196,7 +197,7 @@ def train_step(model, data, keras_train_step, attempt=None):
         if attempt is not None and isinstance(logs, dict):
             logs = dict(logs, **{distribute_module.RETRY_LOG: ops.convert_to_tensor(False)})
         return logs
-    retries = _model_step.retry_budget(model, optimizer)
+    retries = _model_step.retry_budget(model, optimizer, can_retry())
     retry = None
     if retries is not None and attempt is not None:
         answer = _attempt(model, data, optimizer, retries_left=retries - attempt)

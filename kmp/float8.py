@@ -46,11 +46,11 @@ from kmp.monitor._float8 import Float8Monitor  # noqa: F401
 from kmp.precision._float8_matmul import FLOAT8_COMPUTE_CAPABILITY  # noqa: F401
 from kmp.precision._float8_matmul import has_float8_tensor_cores as _has_float8_tensor_cores  # noqa: F401
 from kmp.precision._float8_matmul import matmul_step as _matmul_step  # noqa: F401
-from kmp.precision._float8_measure import _TENSORS  # noqa: F401
-from kmp.precision._float8_measure import E4M3_MAX  # noqa: F401
-from kmp.precision._float8_measure import E4M3_TINY  # noqa: F401
-from kmp.precision._float8_measure import E5M2_MAX  # noqa: F401
-from kmp.precision._float8_measure import E5M2_TINY  # noqa: F401
+from kmp.precision._float8_formats import E4M3_MAX  # noqa: F401
+from kmp.precision._float8_formats import E4M3_TINY  # noqa: F401
+from kmp.precision._float8_formats import E5M2_MAX  # noqa: F401
+from kmp.precision._float8_formats import E5M2_TINY  # noqa: F401
+from kmp.precision._float8_formats import TENSORS as _TENSORS  # noqa: F401
 from kmp.precision._float8_measure import compare  # noqa: F401
 from kmp.precision._float8_measure import stats  # noqa: F401
 from kmp.precision._float8_rule import DIMENSION_MULTIPLE  # noqa: F401

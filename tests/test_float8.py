@@ -5,6 +5,7 @@ Runs on TensorFlow and JAX. A CPU emulates float8, so every model here is
 tiny (at most a few thousand weights).
 """
 
+import importlib.util
 import os
 
 import keras
@@ -456,6 +457,46 @@ def test_stats_count_saturated_and_flushed_kernel_values_exactly():
     assert figures["outputs_grad"]["amax"] == 0.0  # not trained yet
 
 
+@pytest.mark.parametrize("loss_scale", [None, 2.0**10])
+def test_the_probe_counts_the_output_gradient_as_e5m2_quantizes_it(loss_scale):
+    """`mid` (float8, kernel zero) feeds an identity `head`, and the loss is
+    the MSE: the gradient `mid` quantizes is exactly `2 * (0 - y) / n`
+    (times the loss scale), with `y` spread over 60 binades, wider than
+    e5m2's 32. With `outputs_grad_scale` 2**-30 (times the loss scale: the
+    histories are in its units) the probe's shares are the ones counted
+    here in NumPy (about 12% saturated, 33% flushed; a probe that missed the
+    loss scale would count 29% and 13% at 2**10), and the model is left as
+    it was."""
+    inputs = keras.Input((32,))
+    mid = keras.layers.Dense(32, use_bias=False, kernel_initializer="zeros", name="mid")
+    head = keras.layers.Dense(32, use_bias=False, kernel_initializer="identity", name="head")
+    model = keras.Model(inputs, head(mid(inputs)))
+    float8.enable(model, skip_small=False)
+    optimizer = keras.optimizers.SGD(0.0)
+    if loss_scale is not None:
+        optimizer = kmp.LossScaleOptimizer(optimizer, initial_scale=loss_scale, dynamic=False)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.get_layer("mid").outputs_grad_scale.assign(2.0**-30 * (loss_scale or 1.0))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 32)).astype("float32")
+    y = (2.0 ** rng.uniform(-60, 0, size=(8, 32)) * rng.choice([-1, 1], (8, 32))).astype("float32")
+    before = [ops.convert_to_numpy(w).copy() for w in model.weights]
+
+    figures = float8.stats(model, x, y)["mid"]["outputs_grad"]
+
+    gradient = np.abs(2.0 * y.astype(np.float64) / y.size) / 2.0**-30
+    saturated = np.mean(gradient > float8.E5M2_MAX)
+    flushed = np.mean((gradient > 0) & (gradient <= float8.E5M2_TINY / 2))
+    assert 0.05 < saturated < 0.2 and 0.25 < flushed < 0.4, (saturated, flushed)
+    # Within one value of 256: float32's rounding of 2 * y / n at a threshold.
+    assert figures["saturated"] == pytest.approx(saturated, abs=1.01 / y.size)
+    assert figures["flushed"] == pytest.approx(flushed, abs=1.01 / y.size)
+    for weight, value in zip(model.weights, before):
+        np.testing.assert_array_equal(ops.convert_to_numpy(weight), value, err_msg=weight.path)
+    with pytest.raises(ValueError, match="`y` needs `x`. Received: x=None"):
+        float8.stats(model, y=y)
+
+
 def _delayed_scales(layer, x):
     """Sets a float8 layer's input and kernel scales as a training step
     would: the amax over e4m3's maximum."""
@@ -496,14 +537,17 @@ def test_compare_flags_a_layer_whose_kernel_outlier_flushes_the_rest(outlier):
         float8.compare(model, x, tolerance=0)
 
 
-def test_monitor_reports_each_epoch_in_history_csv_and_words(tmp_path):
+def test_monitor_reports_each_epoch_in_history_logs_csv_plot_and_words(tmp_path):
     model, (x, y) = _float8_mlp("mixed_float16"), _data(64)
     printed = []
     # The probe batch is 1000x the training data: its inputs saturate against
     # the scale the training data set.
-    monitor = float8.Float8Monitor(x=x[:16] * 1000.0, csv_path=str(tmp_path / "f8.csv"),
+    probe_x, probe_y = x[:32] * 1000.0, y[:32]
+    monitor = float8.Float8Monitor(x=probe_x, y=probe_y, csv_path=str(tmp_path / "f8.csv"),
+                                   plot_path=tmp_path / "plots" / "f8.png",
                                    print_fn=printed.append)
-    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor], shuffle=False)
+    fitted = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor],
+                       shuffle=False)
     assert [epoch for epoch, _ in monitor.history] == [0, 1]
     last = monitor.history[-1][1]
     assert set(last) == {"up", "mid"}
@@ -514,24 +558,56 @@ def test_monitor_reports_each_epoch_in_history_csv_and_words(tmp_path):
     scale = float(np.max(np.abs(x))) / 448.0
     assert up["inputs"]["scale"] == pytest.approx(scale, rel=1e-3)
     assert 0.0 < up["inputs"]["range_used"] <= 1.0
-    probe = np.abs(x[:16] * 1000.0)
     assert up["inputs"]["saturated"] == pytest.approx(
-        np.mean(probe > up["inputs"]["scale"] * 448.0), abs=1e-9)
+        np.mean(np.abs(probe_x) > up["inputs"]["scale"] * 448.0), abs=1e-9)
     assert up["inputs"]["saturated"] > 0.9
     # Gradients of the scaled loss: amax in the loss scale's units, within range.
     assert up["outputs_grad"]["amax"] > 1.0
     assert up["outputs_grad"]["range_used"] <= 1.0
+    # The output gradients' shares, by the probe: what stats measures on the
+    # same batch, now (the model has not moved since the last epoch's end).
+    measured = float8.stats(model, probe_x, probe_y)
+    for layer in ("up", "mid"):
+        figures = last[layer]["outputs_grad"]
+        assert 0.0 <= figures["saturated"] <= 1.0 and 0.0 <= figures["flushed"] <= 1.0
+        assert (figures["saturated"], figures["flushed"]) == (
+            measured[layer]["outputs_grad"]["saturated"], measured[layer]["outputs_grad"]["flushed"])
+    # The logs: one value per epoch, for each layer, tensor and figure measured.
+    logged = {key: values for key, values in fitted.history.items() if key.startswith("float8/")}
+    assert len(logged) == 2 * 3 * 3  # layers x tensors x (amax, saturated, flushed)
+    for epoch, figures in monitor.history:
+        for layer, tensor, figure in (("up", "inputs", "saturated"), ("mid", "outputs_grad", "flushed"),
+                                      ("mid", "outputs_grad", "amax")):
+            assert logged[f"float8/{layer}/{tensor}/{figure}"][epoch] == figures[layer][tensor][figure]
+    # kmp's progress bar leaves them out of its line (18 here).
+    from kmp.monitor import _progbar
+
+    assert _progbar._readable_logs({"loss": 1.5, **{key: 0.0 for key in logged}}) == {"loss": 1.5}
     lines = open(tmp_path / "f8.csv", encoding="utf-8").read().splitlines()
     assert lines[0] == ",".join(float8.Float8Monitor.CSV_COLUMNS)
     assert len(lines) == 1 + 2 * 2 * 3  # epochs x layers x tensors
+    gradient_rows = [line.split(",") for line in lines[1:] if ",outputs_grad," in line]
+    assert [float(row[6]) for row in gradient_rows] == [
+        figures[row[1]]["outputs_grad"]["saturated"]
+        for (_, figures), row in zip([h for h in monitor.history for _ in (0, 1)], gradient_rows)]
+    plot = tmp_path / "plots" / "f8.png"
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not plot.exists()
+    else:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert printed[0].startswith("Float8Monitor, epoch 1:\n  up inputs: ")
     assert "saturated" in printed[0]
     with pytest.raises(ValueError, match="Received: warn_share=2"):
         float8.Float8Monitor(warn_share=2)
+    with pytest.raises(ValueError, match="`y` needs `x`"):
+        float8.Float8Monitor(y=probe_y)
+    with pytest.raises(TypeError, match="Received: plot_path=3"):
+        float8.Float8Monitor(plot_path=3)
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(
-        float8.Float8Monitor(csv_path="f8.csv", warn_share=0.25)))
+        float8.Float8Monitor(csv_path="f8.csv", plot_path="f8.png", warn_share=0.25)))
     assert type(restored) is float8.Float8Monitor
-    assert (restored.csv_path, restored.warn_share) == ("f8.csv", 0.25)
+    assert (restored.csv_path, restored.plot_path, restored.warn_share) == (
+        "f8.csv", "f8.png", 0.25)
 
 
 # --- saved and served ---------------------------------------------------------

@@ -1,6 +1,6 @@
 """`kmp.float8`'s measurements: what float8 does to each float8 layer.
 
-The formats' limits, `stats` (each quantized tensor's amax, scale and the
+`stats` (each quantized tensor's amax, scale and the
 shares saturated or flushed to zero) and `compare` (each float8 layer's
 output against its 16-bit and float32 output), re-exported by
 `kmp/float8.py`; `Float8Monitor` (`kmp/monitor/_float8.py`) and
@@ -8,37 +8,22 @@ output against its 16-bit and float32 output), re-exported by
 """
 
 import keras
-import ml_dtypes
 import numpy as np
 from keras import ops
 
+from kmp.precision import _float8_probe
 from kmp.precision import _keep_float32
+from kmp.precision._float8_formats import FORMAT_LIMITS
+from kmp.precision._float8_formats import TENSORS
 from kmp.precision._float8_rule import float8_layers
 
-# The largest finite values of the two float8 formats Keras uses.
-E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
-E5M2_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max)  # 57344
-# The smallest positive (subnormal) values: anything below half of them
-# rounds to zero.
-E4M3_TINY = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).smallest_subnormal)  # 2**-9
-E5M2_TINY = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).smallest_subnormal)  # 2**-16
-
-# The three tensors each float8 layer quantizes: (variable prefix, format).
-# Each float8 tensor of a layer: its format, and the layer's (public)
-# attributes for its amax history and its scale.
-_TENSORS = (
-    ("inputs", "e4m3", "inputs_amax_history", "inputs_scale"),
-    ("kernel", "e4m3", "kernel_amax_history", "kernel_scale"),
-    ("outputs_grad", "e5m2", "outputs_grad_amax_history", "outputs_grad_scale"),
-)
-_FORMAT_LIMITS = {"e4m3": (E4M3_MAX, E4M3_TINY), "e5m2": (E5M2_MAX, E5M2_TINY)}
 
 
 def _quantized_shares(values, scale, fmt):
     """`(saturated, flushed)`: the shares of `values` that quantizing with
     `scale` to `fmt` clips at its maximum, or rounds to zero (nonzero values
     only), exactly as Keras' `quantize_and_dequantize` does."""
-    largest, tiny = _FORMAT_LIMITS[fmt]
+    largest, tiny = FORMAT_LIMITS[fmt]
     scaled = np.abs(np.asarray(values, np.float64)) / float(scale)
     count = max(scaled.size, 1)
     saturated = float(np.count_nonzero(scaled > largest)) / count
@@ -61,7 +46,7 @@ def _layer_inputs(model, layers, x):
     return values
 
 
-def stats(model, x=None):
+def stats(model, x=None, y=None, loss=None):
     """What float8 does to each float8 layer's tensors, now.
 
     For each float8 layer and each tensor it quantizes (`inputs` and
@@ -77,21 +62,42 @@ def stats(model, x=None):
     saturated  share of values above scale * format max, clipped to it
     flushed    share of values that round to zero (nonzero before)
     ```
-    `saturated` and `flushed` are exact for the kernel, and for the inputs
-    of a functional model when `x` is given (the layer's inputs on `x`,
-    quantized with the current scale, as Keras does); `None` otherwise. The
-    output gradient's values are not seen outside the step: its `amax` and
-    `range_used` say whether it saturated, and how far below the range it
-    fell.
+    `saturated` and `flushed` are measured, with the current scales, as
+    Keras quantizes:
+
+    - `kernel`: always, on the kernel itself.
+    - `inputs`: when `x` is given to a functional or Sequential model, on
+      the layer's inputs from `x`.
+    - `outputs_grad`: when `x` and `y` are given to a compiled (or given
+      `loss`) functional or Sequential model, by a probe training step on
+      `(x, y)`: one step of a copy of the model (the model itself is not
+      changed) whose loss is multiplied by the current loss scale, as the
+      scaled step's is, and which counts the gradient each float8 layer's
+      matmul output receives against its `outputs_grad_scale`. The loss
+      averages over the batch, so give a batch of the training batch size:
+      a larger one has smaller gradients. A float8 layer inside another
+      layer (a `MultiHeadAttention`'s projections) is not probed.
+
+    `None` where not measured. Without the probe, the output gradient's
+    `amax` and `range_used` (from its history) say whether the last step
+    saturated and how far below the range it fell, not which share.
 
     Args:
         model: A `keras.Model`.
-        x: Optional batch of inputs to measure the layers' inputs on.
-            Defaults to `None`.
+        x: Optional batch of inputs to measure the layers' inputs (and, with
+            `y`, the output gradients) on. Defaults to `None`.
+        y: Optional targets of `x`, for the output gradients. Defaults to
+            `None`.
+        loss: Optional loss for the probe step, as `compile` takes it.
+            Defaults to `None`: the model's compiled loss.
 
     Returns:
         A dict: layer path -> tensor name -> dict of the figures above
         (Python floats, or `None` where not measured).
+
+    Raises:
+        ValueError: if `y` is given without `x`, or the probe step cannot
+            run (the model has no loss, or cannot be copied).
 
     Example:
 
@@ -103,22 +109,38 @@ def stats(model, x=None):
     >>> figures["saturated"], figures["amax"]
     (0.0, 0.0)
     """
+    if y is not None and x is None:
+        raise ValueError(
+            "kmp.float8.stats measures the output gradients on a batch `(x, y)`: "
+            "`y` needs `x`. Received: x=None and y given"
+        )
+    probe = _float8_probe.OutputGradientProbe(model, loss) if y is not None else None
+    return measure(model, x, y, probe)
+
+
+def measure(model, x, y, probe):
+    """`stats(model, x, y)`, the output gradients measured by `probe` (an
+    `OutputGradientProbe` of `model`, kept by a caller that measures
+    again), or not measured when `probe` is `None`."""
     layers = float8_layers(model)
     inputs = _layer_inputs(model, layers, x) if layers else []
+    gradients = probe.measure(x, y) if probe is not None and layers else {}
     report = {}
     for layer, layer_inputs in zip(layers, inputs):
+        label = _keep_float32._layer_label(layer)
         tensors = {}
-        for name, fmt, history_attribute, scale_attribute in _TENSORS:
-            largest = _FORMAT_LIMITS[fmt][0]
+        for name, fmt, history_attribute, scale_attribute in TENSORS:
+            largest = FORMAT_LIMITS[fmt][0]
             history = ops.convert_to_numpy(getattr(layer, history_attribute))
             scale = float(ops.convert_to_numpy(getattr(layer, scale_attribute)))
             amax = float(history[0])
-            values = {"inputs": layer_inputs, "kernel": None, "outputs_grad": None}[name]
-            if name == "kernel":
-                values = ops.convert_to_numpy(layer.kernel)
-            saturated, flushed = (
-                _quantized_shares(values, scale, fmt) if values is not None else (None, None)
-            )
+            if name == "outputs_grad":
+                saturated, flushed = gradients.get(label, (None, None))
+            else:
+                values = layer_inputs if name == "inputs" else ops.convert_to_numpy(layer.kernel)
+                saturated, flushed = (
+                    _quantized_shares(values, scale, fmt) if values is not None else (None, None)
+                )
             tensors[name] = {
                 "amax": amax,
                 "scale": scale,
@@ -126,7 +148,7 @@ def stats(model, x=None):
                 "saturated": saturated,
                 "flushed": flushed,
             }
-        report[_keep_float32._layer_label(layer)] = tensors
+        report[label] = tensors
     return report
 
 

@@ -28,21 +28,22 @@ import keras
 from keras import ops
 
 from kmp import _keras_internals
+from kmp import loss_scale as loss_scale_module
 from kmp.precision._float8_formats import FORMAT_LIMITS
 from kmp.precision import _keep_float32
 from kmp.precision._float8_rule import float8_layers
+from kmp.precision._float8_rule import without_float8
 
 
 def current_loss_scale(model):
     """The loss scale of `model`'s scaling optimizer (kmp's or Keras' own,
     built), as a float; `None` when it has none."""
     optimizer = getattr(model, "optimizer", None)
-    scale = getattr(optimizer, "loss_scale", None)
-    if scale is None and isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and (
-        optimizer.built
-    ):
-        scale = optimizer.dynamic_scale
-    return None if scale is None else float(ops.convert_to_numpy(scale))
+    if isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
+        return float(ops.convert_to_numpy(optimizer.loss_scale))
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and optimizer.built:
+        return float(ops.convert_to_numpy(optimizer.dynamic_scale))
+    return None
 
 
 class _GradientTap(keras.layers.Layer):
@@ -53,12 +54,7 @@ class _GradientTap(keras.layers.Layer):
     def __init__(self, matmul, activation, **kwargs):
         # The policy without float8: Keras sends a float8 policy's layers to
         # their `_float8_call`.
-        policy = matmul.dtype_policy
-        if policy.compute_dtype == policy.variable_dtype:
-            unquantized = policy.compute_dtype
-        else:
-            unquantized = f"mixed_{policy.compute_dtype}"
-        super().__init__(name=matmul.name, dtype=unquantized, **kwargs)
+        super().__init__(name=matmul.name, dtype=without_float8(matmul.dtype_policy), **kwargs)
         self.matmul = matmul
         self.activation = activation
 

@@ -227,12 +227,27 @@ def test_errors_name_the_argument_and_change_nothing():
     assert float8.float8_layers(model) == []
 
 
-def test_auto_never_picks_float8():
+@pytest.mark.parametrize("gpus", [None, [(9, 0)]])
+def test_auto_never_picks_float8(monkeypatch, gpus):
+    """Nor on an H100/H200 (compute capability 9.0, float8 tensor cores):
+    "auto" picks a 16-bit policy there, and no layer of a model built or
+    converted under it runs float8 (no float8 matmul has been measured
+    faster on a machine; the guide says so)."""
+    from kmp.precision import _hardware
+
+    if gpus is not None:
+        monkeypatch.setattr(_hardware, "_gpu_compute_capabilities", lambda: gpus)
     policy = kmp.set_policy("auto")
     assert "float8" not in policy.name
+    if gpus is not None:
+        assert policy.name == "mixed_bfloat16" and "9.0" in policy.reason
     model = _mlp()
     model(np.zeros((1, 32), "float32"))
     assert float8.float8_layers(model) == []
+    converted = kmp.convert(_mlp("plain"), "auto")
+    assert float8.float8_layers(converted) == []
+    assert all(layer.dtype_policy.quantization_mode is None
+               for layer in converted.layers if hasattr(layer, "dtype_policy"))
 
 
 # --- numbers ------------------------------------------------------------------

@@ -109,8 +109,9 @@ class OutputGradientProbe:
         self.model = model
         self.loss = loss
         self._copy = None
+        # Made with the copy: {layer path: its tap in the copy}, and
+        # (layer of the model, the layer holding its variables in the copy).
         self._taps = {}
-        # (layer of the model, its layer in the copy), for every layer copied.
         self._pairs = []
         self._compiled_scale = None
 
@@ -128,15 +129,10 @@ class OutputGradientProbe:
                 return keras.models.clone_model(layer, clone_function=clone_layer)
             config = layer.get_config()
             if id(layer) not in targets:
-                copied = layer.__class__.from_config(config)
-                self._pairs.append((layer, copied))
-                return copied
+                return layer.__class__.from_config(config)
             activation = layer.activation
             config["activation"] = None
-            tap = _GradientTap(layer.__class__.from_config(config), activation)
-            self._taps[_keep_float32._layer_label(layer)] = tap
-            self._pairs.append((layer, tap.matmul))
-            return tap
+            return _GradientTap(layer.__class__.from_config(config), activation)
 
         try:
             copy = keras.models.clone_model(self.model, clone_function=clone_layer)
@@ -147,6 +143,17 @@ class OutputGradientProbe:
                 f"{error}). A functional or Sequential model can. Received: model "
                 f"of type {type(self.model).__name__}"
             ) from None
+        pairs = list(_layer_pairs(self.model, copy))
+        self._taps = {
+            _keep_float32._layer_label(layer): copied
+            for layer, copied in pairs
+            if isinstance(copied, _GradientTap)
+        }
+        # A tapped layer's variables are its matmul's.
+        self._pairs = [
+            (layer, copied.matmul if isinstance(copied, _GradientTap) else copied)
+            for layer, copied in pairs
+        ]
         self._copy = keras.Model(copy.inputs, copy.outputs)
         self._losses = keras.tree.map_structure(
             lambda item: keras.losses.get(item) if isinstance(item, str) else item, loss
@@ -186,10 +193,22 @@ class OutputGradientProbe:
         return shares
 
 
+def _layer_pairs(model, copy):
+    """`(layer, its copy)` for each layer of `model` but its inputs (the
+    layers of the models nested in it too, not the models), found by name:
+    `clone_model` keeps the names, and they are unique within a model."""
+    copies = {layer.name: layer for layer in copy.layers}
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue  # no variables; `clone_model` names its inputs anew
+        if isinstance(layer, keras.Model):
+            yield from _layer_pairs(layer, copies[layer.name])
+        else:
+            yield layer, copies[layer.name]
+
+
 def _inner_pairs(layer, copied):
     """The layers inside `layer` and inside its copy, paired in tracking order."""
-    if isinstance(layer, keras.Model):
-        return []  # copied layer by layer: its layers have pairs of their own
     return list(zip(
         _keras_internals.nested_layers(layer, include_self=False, recursive=True),
         _keras_internals.nested_layers(copied, include_self=False, recursive=True),

@@ -15,9 +15,11 @@ mechanism what makes it usable under a kmp policy:
 - `rescale_gradient_amax` and `gradient_amax_variables`: under
   `mixed_float16` the output gradients float8 records are multiplied by the
   loss scale; when the scale changes, the recorded maxima must change with it.
-- `stats(model)` and `Float8Monitor`: per float8 layer, the amax of each
-  quantized tensor and the share of values saturated at float8's maximum or
-  flushed to zero.
+- `stats(model, x, y)` and `Float8Monitor`: per float8 layer, the amax of
+  each quantized tensor and the share of values saturated at float8's
+  maximum or flushed to zero (the output gradient's by a probe step on
+  `(x, y)`); `compare(model, x)`: each float8 layer's output against its
+  16-bit and float32 output, which `kmp.diagnose` reports.
 
 Nothing here changes a Keras class or attribute: the layers are quantized
 through Keras' own `Model.quantize("float8", filters=...)`.

@@ -333,8 +333,8 @@ def test_float8_transformer_on_the_digits_ends_within_float32s_seed_band():
 
     One float32 model is compiled once and retrained from each seed's
     weights (and the optimizer's initial state): the compiles, not the steps,
-    cost the time here: about 27 s on TensorFlow, 40 s on JAX on a 2-core
-    CPU. (Under mixed_float16 JAX's CPU dot_general rejects the float16
+    cost the time here: 33 s on TensorFlow, 36 s on JAX, each alone on the
+    busy 2-core CPU (2026-11-28). (Under mixed_float16 JAX's CPU dot_general rejects the float16
     attention einsums with float32 accumulation: bfloat16 only.)"""
     x, y = _digit_rows()
 

@@ -1,10 +1,10 @@
 """`kmp.float8`'s measurements: what float8 does to each float8 layer.
 
-`stats` (each quantized tensor's amax, scale and the
-shares saturated or flushed to zero) and `compare` (each float8 layer's
-output against its 16-bit and float32 output), re-exported by
-`kmp/float8.py`; `Float8Monitor` (`kmp/monitor/_float8.py`) and
-`kmp.diagnose` read them.
+`stats` (each quantized tensor's amax, scale and the shares saturated or
+flushed to zero; the output gradient's through the probe step of
+`_float8_probe.py`) and `compare` (each float8 layer's output against its
+16-bit and float32 output), re-exported by `kmp/float8.py`;
+`Float8Monitor` (`kmp/monitor/_float8.py`) and `kmp.diagnose` read them.
 """
 
 import keras
@@ -16,7 +16,6 @@ from kmp.precision import _keep_float32
 from kmp.precision._float8_formats import FORMAT_LIMITS
 from kmp.precision._float8_formats import TENSORS
 from kmp.precision._float8_rule import float8_layers
-
 
 
 def _quantized_shares(values, scale, fmt):

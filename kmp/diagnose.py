@@ -17,13 +17,17 @@ import keras
 
 from kmp import _keras_internals
 from kmp import backends
-from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
 from kmp.diagnosis import _probe as _diagnose_probe
 from kmp.diagnosis._float16 import FLOAT16_MAX  # noqa: F401 (this module's name since 0.1)
 from kmp.diagnosis._float16 import FLOAT16_SMALLEST_NORMAL  # noqa: F401
 from kmp.diagnosis._report import DiagnosisReport
 from kmp.diagnosis._static import static_findings
+from kmp.precision import _float8_measure
+from kmp.precision import _float8_probe
+from kmp.precision._float8_formats import TENSORS as _FLOAT8_TENSORS
+from kmp.precision._float8_rule import float8_layers
+from kmp.precision._float8_rule import without_float8
 
 
 def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None):
@@ -62,6 +66,21 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
         values flushed to zero at S); else mixed_bfloat16 if the hardware
         runs bfloat16, else float32
     ```
+
+    A model with float8 layers (`kmp.float8`) is measured above in its
+    16-bit policy, float8 aside; then each float8 layer is compared with
+    `kmp.float8.compare` on each batch's inputs (the worst batch kept):
+
+    ```
+    for each float8 layer:
+        float8_error      = ||y_float8 - y_float32|| / ||y_float32||, with
+                            the scales the model holds now
+        sixteen_bit_error = the same without float8, in the 16-bit policy
+        flagged           = float8_error > 0.1
+    float8_fix: "kmp.float8.enable(model, exclude=[<flagged layers>])"
+    ```
+    Float8's scales come from training (delayed scaling): diagnose a model
+    that has trained, at least a few steps, on data like `data`.
 
     The float32 gradients of all `steps` batches are held in host memory
     (one float32 copy) to measure the underflow at the recommended scale:
@@ -106,6 +125,10 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
         `rel_error`, and `activation_nonfinite` and `gradient_nonfinite`
         (whether the reduced pass's outputs, or its gradients at the loss
         scale, were ever non-finite).
+        `report.float8` has one row per float8 layer (`layer`,
+        `float8_error`, `sixteen_bit_error`, `flagged`) and
+        `report.float8_fix` the call that leaves the flagged ones in 16
+        bits (`None` when none is flagged, or the model has no float8 layer).
 
     Raises:
         ValueError: if `steps` < 1, `model` is not a built functional or
@@ -161,6 +184,7 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     return DiagnosisReport(
         policy=target, loss_scale=loss_scale, steps=len(batches), **measured,
         recommended_policy=name, policy_reason=reason, findings=findings,
+        float8=_float8_rows(model, batches),
     )
 
 
@@ -216,6 +240,10 @@ def _target_policy(model, policy):
 
 def _reduced_dtype(layer, target, model, keep_own_dtypes):
     if keep_own_dtypes:
+        # A float8 layer is measured in its 16-bit policy: float8 is compared
+        # apart (`_float8_rows`).
+        if layer.dtype_policy.quantization_mode == "float8":
+            return without_float8(layer.dtype_policy)
         return None
     if _computes_in_float32_in_kmp(layer, model):
         return "float32"
@@ -258,16 +286,37 @@ def _clone(model, dtype_for):
 
     with policy_module.policy_scope("float32"):
         copy = keras.models.clone_model(model, clone_function=clone_layer)
-    copy.set_weights(model.get_weights())
+    copy.set_weights(_weights_without_float8_state(model))
     return copy
 
 
+def _weights_without_float8_state(model):
+    """`model.get_weights()` but the float8 layers' scales and amax
+    histories: the copies compute without float8."""
+    state = {
+        id(getattr(layer, attribute))
+        for layer in float8_layers(model)
+        for _, _, history, scale in _FLOAT8_TENSORS
+        for attribute in (history, scale)
+    }
+    return [keras.ops.convert_to_numpy(w) for w in model.weights if id(w) not in state]
+
+
+def _float8_rows(model, batches):
+    """`kmp.float8.compare` on each batch's inputs: the worst row per float8 layer."""
+    worst = {}
+    for x, _ in batches:
+        for row in _float8_measure.compare(model, x):
+            kept = worst.get(row["layer"])
+            if kept is None or row["float8_error"] > kept["float8_error"]:
+                worst[row["layer"]] = row
+    return list(worst.values())
+
+
 def _current_loss_scale(model, target):
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
-        return float(optimizer.loss_scale)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and optimizer.built:
-        return float(optimizer.dynamic_scale)
+    scale = _float8_probe.current_loss_scale(model)
+    if scale is not None:
+        return scale
     if keras.DTypePolicy(target).compute_dtype == "float16":
         return 2.0**15
     return 1.0

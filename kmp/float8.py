@@ -15,27 +15,46 @@ mechanism what makes it usable under a kmp policy:
 - `rescale_gradient_amax` and `gradient_amax_variables`: under
   `mixed_float16` the output gradients float8 records are multiplied by the
   loss scale; when the scale changes, the recorded maxima must change with it.
-- `stats(model)` and `Float8Monitor`: per float8 layer, the amax of each
-  quantized tensor and the share of values saturated at float8's maximum or
-  flushed to zero.
+- `stats(model, x, y)` and `Float8Monitor`: per float8 layer, the amax of
+  each quantized tensor and the share of values saturated at float8's
+  maximum or flushed to zero (the output gradient's by a probe step on
+  `(x, y)`); `compare(model, x)`: each float8 layer's output against its
+  16-bit and float32 output, which `kmp.diagnose` reports.
 
 Nothing here changes a Keras class or attribute: the layers are quantized
 through Keras' own `Model.quantize("float8", filters=...)`.
+
+This module holds `enable`, `plan` and the rescaling, and re-exports the
+rest from where it is defined: the rule in `kmp/precision/_float8_rule.py`,
+`stats` and `compare` in `kmp/precision/_float8_measure.py`, the monitor in
+`kmp/monitor/_float8.py`, the matmul `kmp doctor` times in
+`kmp/precision/_float8_matmul.py`.
 """
 
 import inspect
 
 import keras
-import ml_dtypes
-import numpy as np
-from keras import ops
 
 from kmp import _keras_internals
 from kmp.precision import _float8_rule
 from kmp.scaling import _step as _scaling_step
 from kmp.precision import _keep_float32
 
-# Public names of this module, defined with the rule.
+# Public names of this module, defined beside what they belong to: the rule
+# (kmp/precision/_float8_rule.py), the measurements
+# (kmp/precision/_float8_measure.py), the monitor (kmp/monitor/_float8.py)
+# and the matmul `kmp doctor` times (kmp/precision/_float8_matmul.py).
+from kmp.monitor._float8 import Float8Monitor  # noqa: F401
+from kmp.precision._float8_matmul import FLOAT8_COMPUTE_CAPABILITY  # noqa: F401
+from kmp.precision._float8_matmul import has_float8_tensor_cores as _has_float8_tensor_cores  # noqa: F401
+from kmp.precision._float8_matmul import matmul_step as _matmul_step  # noqa: F401
+from kmp.precision._float8_formats import E4M3_MAX  # noqa: F401
+from kmp.precision._float8_formats import E4M3_TINY  # noqa: F401
+from kmp.precision._float8_formats import E5M2_MAX  # noqa: F401
+from kmp.precision._float8_formats import E5M2_TINY  # noqa: F401
+from kmp.precision._float8_formats import TENSORS as _TENSORS  # noqa: F401
+from kmp.precision._float8_measure import compare  # noqa: F401
+from kmp.precision._float8_measure import stats  # noqa: F401
 from kmp.precision._float8_rule import DIMENSION_MULTIPLE  # noqa: F401
 from kmp.precision._float8_rule import FILTER_RULE  # noqa: F401
 from kmp.precision._float8_rule import SMALL_INPUT_FEATURES  # noqa: F401
@@ -62,27 +81,6 @@ __all__ = [
     "rescale_gradient_amax",
     "stats",
 ]
-
-# The largest finite values of the two float8 formats Keras uses.
-E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
-E5M2_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max)  # 57344
-# The smallest positive (subnormal) values: anything below half of them
-# rounds to zero.
-E4M3_TINY = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).smallest_subnormal)  # 2**-9
-E5M2_TINY = float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).smallest_subnormal)  # 2**-16
-
-# The three tensors each float8 layer quantizes: (variable prefix, format).
-# Each float8 tensor of a layer: its format, and the layer's (public)
-# attributes for its amax history and its scale.
-_TENSORS = (
-    ("inputs", "e4m3", "inputs_amax_history", "inputs_scale"),
-    ("kernel", "e4m3", "kernel_amax_history", "kernel_scale"),
-    ("outputs_grad", "e5m2", "outputs_grad_amax_history", "outputs_grad_scale"),
-)
-_FORMAT_LIMITS = {"e4m3": (E4M3_MAX, E4M3_TINY), "e5m2": (E5M2_MAX, E5M2_TINY)}
-# Float8Monitor reports a tensor whose amax is more than this many times its
-# scale's range: at least its top binade was clipped.
-_RANGE_WARNING = 2.0
 
 
 def plan(model, exclude=None, skip_small=True):
@@ -366,329 +364,3 @@ def apply_loss_scale_change(model, new_loss_scale, old_loss_scale):
     ):
         history.assign(new_history)
         scale.assign(new_scale)
-
-
-def _quantized_shares(values, scale, fmt):
-    """`(saturated, flushed)`: the shares of `values` that quantizing with
-    `scale` to `fmt` clips at its maximum, or rounds to zero (nonzero values
-    only), exactly as Keras' `quantize_and_dequantize` does."""
-    largest, tiny = _FORMAT_LIMITS[fmt]
-    scaled = np.abs(np.asarray(values, np.float64)) / float(scale)
-    count = max(scaled.size, 1)
-    saturated = float(np.count_nonzero(scaled > largest)) / count
-    # Below half the smallest subnormal, round-to-nearest-even gives zero.
-    flushed = float(np.count_nonzero((scaled > 0) & (scaled <= tiny / 2))) / count
-    return saturated, flushed
-
-
-def _layer_inputs(model, layers, x):
-    """The values each of `layers` received from `model` on `x`, or `None`
-    per layer where the model has no graph to read them from."""
-    try:
-        tensors = [layer.input for layer in layers]
-        extractor = keras.Model(model.inputs, tensors)
-    except (AttributeError, ValueError):
-        return [None] * len(layers)
-    values = extractor.predict(x, verbose=0) if x is not None else None
-    if len(layers) == 1:
-        values = [values]
-    return values
-
-
-def stats(model, x=None):
-    """What float8 does to each float8 layer's tensors, now.
-
-    For each float8 layer and each tensor it quantizes (`inputs` and
-    `kernel` to e4m3, `outputs_grad`, the output gradient, to e5m2):
-
-    ```
-    amax       the absolute maximum the last training step recorded
-               (newest entry of `<tensor>_amax_history`)
-    scale      the scale the next step quantizes with (`<tensor>_scale`)
-    range_used amax / (scale * format max): above 1 the step saturated;
-               2**-k means k binades of the format's range are unused at
-               the top, and values that much smaller flush to zero
-    saturated  share of values above scale * format max, clipped to it
-    flushed    share of values that round to zero (nonzero before)
-    ```
-    `saturated` and `flushed` are exact for the kernel, and for the inputs
-    of a functional model when `x` is given (the layer's inputs on `x`,
-    quantized with the current scale, as Keras does); `None` otherwise. The
-    output gradient's values are not seen outside the step: its `amax` and
-    `range_used` say whether it saturated, and how far below the range it
-    fell.
-
-    Args:
-        model: A `keras.Model`.
-        x: Optional batch of inputs to measure the layers' inputs on.
-            Defaults to `None`.
-
-    Returns:
-        A dict: layer path -> tensor name -> dict of the figures above
-        (Python floats, or `None` where not measured).
-
-    Example:
-
-    >>> inputs = keras.Input((32,))
-    >>> hidden = keras.layers.Dense(32, name="hidden")(inputs)
-    >>> model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
-    >>> _ = kmp.float8.enable(model, skip_small=False)
-    >>> figures = kmp.float8.stats(model)["hidden"]["kernel"]
-    >>> figures["saturated"], figures["amax"]
-    (0.0, 0.0)
-    """
-    layers = float8_layers(model)
-    inputs = _layer_inputs(model, layers, x) if layers else []
-    report = {}
-    for layer, layer_inputs in zip(layers, inputs):
-        tensors = {}
-        for name, fmt, history_attribute, scale_attribute in _TENSORS:
-            largest = _FORMAT_LIMITS[fmt][0]
-            history = ops.convert_to_numpy(getattr(layer, history_attribute))
-            scale = float(ops.convert_to_numpy(getattr(layer, scale_attribute)))
-            amax = float(history[0])
-            values = {"inputs": layer_inputs, "kernel": None, "outputs_grad": None}[name]
-            if name == "kernel":
-                values = ops.convert_to_numpy(layer.kernel)
-            saturated, flushed = (
-                _quantized_shares(values, scale, fmt) if values is not None else (None, None)
-            )
-            tensors[name] = {
-                "amax": amax,
-                "scale": scale,
-                "range_used": amax / (scale * largest),
-                "saturated": saturated,
-                "flushed": flushed,
-            }
-        report[_keep_float32._layer_label(layer)] = tensors
-    return report
-
-
-def _unquantized_output(layer, inputs, dtype):
-    """What `layer` (a float8 Dense or EinsumDense) computes on `inputs`
-    without float8: its matmul, bias and activation in `dtype`."""
-    inputs = ops.cast(inputs, dtype)
-    kernel = ops.cast(layer.kernel, dtype)
-    if isinstance(layer, keras.layers.EinsumDense):
-        outputs = ops.einsum(layer.equation, inputs, kernel)
-    else:
-        outputs = ops.matmul(inputs, kernel)
-    if layer.bias is not None:
-        outputs = ops.add(outputs, ops.cast(layer.bias, dtype))
-    if layer.activation is not None:
-        outputs = layer.activation(outputs)
-    return ops.convert_to_numpy(ops.cast(outputs, "float32")).astype(np.float64)
-
-
-def compare(model, x, tolerance=0.1):
-    """How far each float8 layer's output is from its 16-bit and float32 output.
-
-    For each float8 layer of a functional model, on the inputs it receives
-    from `x`: its output as trained (float8, with the scales it has now), the
-    same layer computed without float8 in its policy's compute dtype, and in
-    float32. The errors are relative to the float32 output:
-
-    ```
-    error(y) = ||y - y_float32|| / ||y_float32||     (Frobenius norms)
-    float8_error   = error(the float8 output)
-    sixteen_bit_error = error(the layer without float8, in 16 bits)
-    flagged        = float8_error > tolerance
-    ```
-    e4m3 keeps 3 mantissa bits: its rounding alone gives errors of a few
-    percent. Far above that, inputs or kernel saturate or flush to zero
-    (an outlier sets the scale, and the rest of the values fall below
-    e4m3's range): leave the layer in 16 bits with `enable(...,
-    exclude=[name])`.
-
-    Args:
-        model: A functional `keras.Model` with float8 layers.
-        x: A batch of the model's inputs.
-        tolerance: Float > 0. The float8 error above which a layer is
-            flagged. Defaults to `0.1`.
-
-    Returns:
-        A list of dicts, one per float8 layer: `layer`, `float8_error`,
-        `sixteen_bit_error`, `flagged`.
-
-    Raises:
-        ValueError: if `tolerance` is not a positive number, or `model` has
-            no graph to read its layers' inputs from.
-
-    Example:
-
-    >>> inputs = keras.Input((32,))
-    >>> hidden = keras.layers.Dense(32, name="hidden")(inputs)
-    >>> model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
-    >>> _ = kmp.float8.enable(model, skip_small=False)
-    >>> x = np.random.default_rng(0).uniform(0.5, 1.0, size=(8, 32)).astype("float32")
-    >>> [row] = kmp.float8.compare(model, x)
-    >>> row["layer"], row["float8_error"] < 0.1, row["flagged"]
-    ('hidden', True, False)
-    """
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance <= 0:
-        raise ValueError(
-            f"`tolerance` must be a positive number. Received: tolerance={tolerance!r}"
-        )
-    layers = float8_layers(model)
-    if not layers:
-        return []
-    inputs = _layer_inputs(model, layers, x)
-    if inputs[0] is None:
-        raise ValueError(
-            "kmp.float8.compare reads each float8 layer's inputs from the model's "
-            f"graph, and {model.name!r} has none (a subclassed model). Received: "
-            f"model of type {type(model).__name__}"
-        )
-    rows = []
-    for layer, layer_inputs in zip(layers, inputs):
-        reference = _unquantized_output(layer, layer_inputs, "float32")
-        sixteen_bit = _unquantized_output(layer, layer_inputs, layer.compute_dtype)
-        float8 = ops.convert_to_numpy(
-            ops.cast(layer(layer_inputs, training=False), "float32")
-        ).astype(np.float64)
-        norm = max(float(np.linalg.norm(reference)), np.finfo(np.float64).tiny)
-        float8_error = float(np.linalg.norm(float8 - reference)) / norm
-        rows.append({
-            "layer": _keep_float32._layer_label(layer),
-            "float8_error": float8_error,
-            "sixteen_bit_error": float(np.linalg.norm(sixteen_bit - reference)) / norm,
-            "flagged": float8_error > tolerance,
-        })
-    return rows
-
-
-@keras.saving.register_keras_serializable(package="kmp")
-class Float8Monitor(keras.callbacks.Callback):
-    """Reports what float8 does to each float8 layer, every epoch.
-
-    At the end of each epoch it reads `kmp.float8.stats(model, x)` (no work
-    in the train step: the amax histories are Keras' own variables), keeps
-    the figures in `history`, writes them to `csv_path` and, for each
-    tensor that saturated or flushed more than `warn_share` of its values
-    (or whose recorded amax exceeded its scale's range), says so once per
-    epoch through `print_fn`.
-
-    Args:
-        x: Optional batch of inputs on which to measure each float8 layer's
-            inputs (a functional model). Defaults to `None`: the inputs'
-            amax and range only.
-        csv_path: Optional path of a CSV file, one row per epoch, layer and
-            tensor: `epoch, layer, tensor, amax, scale, range_used,
-            saturated, flushed`. Defaults to `None`.
-        warn_share: Float in [0, 1]. The share of saturated or flushed
-            values above which a tensor is reported. Defaults to `0.01`.
-        print_fn: Optional callable taking one string. Defaults to `print`.
-
-    Attributes:
-        history: List of `(epoch, stats)` pairs, `stats` as
-            `kmp.float8.stats` returns it.
-
-    Raises:
-        ValueError: if `warn_share` is not in [0, 1].
-
-    Example:
-
-    ```python
-    monitor = kmp.float8.Float8Monitor(x=x_train[:256], csv_path="float8.csv")
-    model.fit(x_train, y_train, epochs=3, callbacks=[monitor])
-    monitor.history[-1][1]["dense"]["outputs_grad"]["range_used"]
-    ```
-    """
-
-    CSV_COLUMNS = (
-        "epoch", "layer", "tensor", "amax", "scale", "range_used", "saturated", "flushed"
-    )
-
-    def __init__(self, x=None, csv_path=None, warn_share=0.01, print_fn=None):
-        super().__init__()
-        if isinstance(warn_share, bool) or not isinstance(warn_share, (int, float)) or not (
-            0.0 <= warn_share <= 1.0
-        ):
-            raise ValueError(
-                f"`warn_share` must be a number in [0, 1]. Received: warn_share={warn_share!r}"
-            )
-        self.x = x
-        self.csv_path = csv_path
-        self.warn_share = float(warn_share)
-        self.print_fn = print_fn or print
-        self.history = []
-
-    def get_config(self):
-        """The constructor's arguments but `x` and `print_fn` (data and a
-        callable: not configuration)."""
-        return {"csv_path": self.csv_path, "warn_share": self.warn_share}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-    def on_train_begin(self, logs=None):
-        self.history = []
-        if self.csv_path is not None:
-            with open(self.csv_path, "w", encoding="utf-8") as file:
-                file.write(",".join(self.CSV_COLUMNS) + "\n")
-
-    def on_epoch_end(self, epoch, logs=None):
-        figures = stats(self.model, self.x)
-        self.history.append((epoch, figures))
-        lines = []
-        for layer, tensors in figures.items():
-            for tensor, values in tensors.items():
-                problems = [
-                    f"{values[key]:.1%} {key}"
-                    for key in ("saturated", "flushed")
-                    if values[key] is not None and values[key] > self.warn_share
-                ]
-                if values["range_used"] > _RANGE_WARNING:
-                    problems.append(
-                        f"amax {values['amax']:.4g} is {values['range_used']:.1f}x "
-                        "the scale's range (a binade or more saturated)"
-                    )
-                if problems:
-                    lines.append(f"  {layer} {tensor}: {', '.join(problems)}")
-        if lines:
-            self.print_fn(f"Float8Monitor, epoch {epoch + 1}:\n" + "\n".join(lines))
-        if self.csv_path is not None:
-            with open(self.csv_path, "a", encoding="utf-8") as file:
-                for layer, tensors in figures.items():
-                    for tensor, values in tensors.items():
-                        cells = [str(epoch + 1), layer, tensor] + [
-                            "" if values[key] is None else repr(values[key])
-                            for key in self.CSV_COLUMNS[3:]
-                        ]
-                        file.write(",".join(cells) + "\n")
-
-
-# Float8 tensor cores: NVIDIA compute capability 8.9 (Ada) and above.
-FLOAT8_COMPUTE_CAPABILITY = (8, 9)
-
-
-def _has_float8_tensor_cores(compute_capability):
-    """Whether a GPU of `compute_capability` (`"9.0"`, `(9, 0)` or `None`)
-    has float8 tensor cores."""
-    if compute_capability is None:
-        return False
-    if isinstance(compute_capability, str):
-        major, _, minor = compute_capability.partition(".")
-        compute_capability = (int(major), int(minor or 0))
-    return tuple(compute_capability) >= FLOAT8_COMPUTE_CAPABILITY
-
-
-def _matmul_step(n, float8):
-    """`step()`: an `n`x`n` @ `n`x`n` matmul by a `Dense` layer under
-    `mixed_bfloat16`, in float8 (Keras' float8 path, inference: inputs and
-    kernel quantized to e4m3) or not, compiled by XLA; `step()` returns a
-    Python float (the sum of the output), so it waits for the device.
-
-    What `kmp doctor` times on a GPU with float8 tensor cores: XLA rewrites
-    the quantize-dequantize around the matmul into one float8 GEMM there.
-    """
-    inputs = keras.Input((n,), batch_size=n)
-    dense = keras.layers.Dense(n, use_bias=False, dtype="mixed_bfloat16")
-    outputs = keras.layers.Lambda(lambda y: ops.sum(ops.cast(y, "float32")))(dense(inputs))
-    model = keras.Model(inputs, outputs)
-    if float8:
-        dense.quantize("float8")
-    model.compile(jit_compile=True)
-    x = np.random.default_rng(0).normal(size=(n, n)).astype("float32")
-    return lambda: float(np.asarray(model.predict_on_batch(x)))

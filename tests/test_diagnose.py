@@ -368,3 +368,56 @@ def test_a_model_with_an_embedding_is_diagnosed_on_its_data():
     assert embed["max_abs_gradient"] == pytest.approx(float(expected), rel=1e-5)
     assert embed["gradient_overflow"] == 0.0
     assert report.first_nonfinite is None
+
+
+@pytest.mark.parametrize("outlier", [False, True])
+def test_float8_layers_that_lose_accuracy_are_named_with_the_fix(outlier):
+    """A float8 model under mixed_bfloat16 whose scales two SGD(0) steps set
+    from the data (weights unchanged). With an input feature of 1e6 that
+    `hidden` ignores (its kernel row is 0), hidden's input scale is
+    1e6 / 448: e4m3's smallest step is then 4.4, the other inputs (normal,
+    |x| < 2.2 for 97% of them) flush to zero, and its float8 output is more
+    than 50% off float32 while bfloat16's is under 1%. diagnose names it, with the call that leaves it in 16 bits;
+    the 16-bit table measures the layers without float8. Without the
+    outlier no layer is flagged."""
+    kmp.set_policy("mixed_bfloat16")
+    inputs = keras.Input((32,))
+    hidden = keras.layers.Dense(32, name="hidden")(inputs)
+    mid = keras.layers.Dense(32, name="mid")(hidden)
+    model = kmp.Model(inputs, keras.layers.Dense(16, name="head")(mid))
+    kmp.float8.enable(model, skip_small=False)
+    kernel = ops.convert_to_numpy(model.get_layer("hidden").kernel)
+    kernel[0, :] = 0.0
+    model.get_layer("hidden").kernel.assign(kernel)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 32)).astype("float32")
+    if outlier:
+        x[:, 0] = 1e6
+    y = rng.integers(0, 16, size=64)
+    model.compile(optimizer=keras.optimizers.SGD(0.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+
+    report = kmp.diagnose(model, (x[:32], y[:32]))
+
+    rows = {row["layer"]: row for row in report.float8}
+    assert set(rows) == {"hidden", "mid"}
+    assert rows == {row["layer"]: row for row in kmp.float8.compare(model, x[:32])}
+    assert all(row["sixteen_bit_error"] < 0.01 for row in rows.values())
+    # The 16-bit table: the layers without float8, as accurate as bfloat16 is.
+    assert report.layer("hidden")["rel_error"] < 0.01
+    assert not rows["mid"]["flagged"] and rows["mid"]["float8_error"] < 0.1
+    text = str(report)
+    assert "Float8 layers against mixed_bfloat16" in text
+    if outlier:
+        assert rows["hidden"]["float8_error"] > 0.5 and rows["hidden"]["flagged"]
+        assert report.float8_fix == "kmp.float8.enable(model, exclude=['hidden'])"
+        assert ("Float8 loses accuracy in hidden: leave it in 16 bits: build the model again "
+                "and call kmp.float8.enable(model, exclude=['hidden']) before training.") in text
+    else:
+        assert 0.01 < rows["hidden"]["float8_error"] < 0.1 and not rows["hidden"]["flagged"]
+        assert report.float8_fix is None
+        assert "Float8: every float8 layer stays within 10% of float32." in text
+    as_dict = json.loads(report.to_json())
+    assert as_dict["float8_fix"] == report.float8_fix
+    assert [row["layer"] for row in as_dict["float8"]] == ["hidden", "mid"]

@@ -50,6 +50,7 @@ _REGISTERED = {
     "kmp>FunctionalModel": "kmp.model.FunctionalModel",
     "kmp>WrappedModel": "kmp.convert._WrappedModel",
     "kmp>LossScaleMonitor": "kmp.callbacks.LossScaleMonitor",
+    "kmp>Float8Monitor": "kmp.float8.Float8Monitor",
     "kmp>_Float32Policy": None,  # private classes: found by name alone
     "kmp>_ExactIdsPolicy": None,
 }

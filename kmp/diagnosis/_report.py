@@ -38,6 +38,13 @@ class DiagnosisReport:
         policy_reason: String. Why.
         findings: List of dicts (`"check"`, `"layer"`, `"message"`, `"fix"`)
             from the static checks.
+        float8: List of dicts, one per float8 layer (`kmp.float8`):
+            `"layer"`, `"float8_error"`, `"sixteen_bit_error"` (relative to
+            float32, as `kmp.float8.compare` gives them) and `"flagged"`
+            (float8 error above 10%); empty for a model without float8
+            layers or without data.
+        float8_fix: `None`, or the call that leaves the flagged float8
+            layers in 16 bits: `"kmp.float8.enable(model, exclude=[...])"`.
     """
 
     def __init__(self, **fields):
@@ -53,6 +60,14 @@ class DiagnosisReport:
         self.recommended_policy = fields["recommended_policy"]
         self.policy_reason = fields["policy_reason"]
         self.findings = fields["findings"]
+        self.float8 = fields.get("float8", [])
+
+    @property
+    def float8_fix(self):
+        flagged = [row["layer"] for row in self.float8 if row["flagged"]]
+        if not flagged:
+            return None
+        return f"kmp.float8.enable(model, exclude={flagged!r})"
 
     @property
     def direction(self):
@@ -98,6 +113,8 @@ class DiagnosisReport:
             "policy_reason": self.policy_reason,
             "layers": [dict(row) for row in self.layers],
             "findings": [dict(finding) for finding in self.findings],
+            "float8": [dict(row) for row in self.float8],
+            "float8_fix": self.float8_fix,
         }
 
     def to_json(self, path=None, indent=2):
@@ -179,6 +196,8 @@ class DiagnosisReport:
         lines.append(
             f"Recommended policy: {self.recommended_policy} ({self.policy_reason})."
         )
+        if self.float8:
+            lines.extend(_float8_lines(self.float8, self.policy, self.float8_fix))
         if self.findings:
             lines.append("Static checks:")
             for finding in self.findings:
@@ -228,6 +247,36 @@ def _table(rows):
 
     separator = "  ".join("-" * width for width in widths)
     return [render(cells[0]), separator] + [render(line) for line in cells[1:]]
+
+
+def _float8_lines(rows, policy, fix):
+    """The float8 layers' table and the advice, for `DiagnosisReport.__str__`."""
+    cells = [("float8 layer", "float8 err", f"{policy} err", "flagged")] + [
+        (row["layer"], _format_number(row["float8_error"]),
+         _format_number(row["sixteen_bit_error"]), "yes" if row["flagged"] else "-")
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in cells) for i in range(4)]
+    table = [
+        "  ".join(cell.ljust(width) if i == 0 else cell.rjust(width)
+                  for i, (cell, width) in enumerate(zip(line, widths))).rstrip()
+        for line in cells
+    ]
+    lines = [
+        f"Float8 layers against {policy} (err: relative to float32, with the "
+        "layer's current float8 scales; flagged above 10%):",
+        *table,
+    ]
+    if fix is None:
+        lines.append("Float8: every float8 layer stays within 10% of float32.")
+    else:
+        flagged = [row["layer"] for row in rows if row["flagged"]]
+        lines.append(
+            f"Float8 loses accuracy in {', '.join(flagged)}: leave "
+            f"{'it' if len(flagged) == 1 else 'them'} in 16 bits: build the model "
+            f"again and call {fix} before training."
+        )
+    return lines
 
 
 def _format_number(value):

@@ -9,4 +9,7 @@ The public side is `kmp/callbacks.py`:
 - `_messages.py`: what is said about skipped steps.
 - `_csv.py`, `_plot.py`: the per-step CSV and the plot.
 - `_progbar.py`: Keras' progress bar, with the loss scalers' logs readable.
+
+and `_float8.py`, `kmp.float8.Float8Monitor`: what float8 does to each
+float8 layer, every epoch.
 """

@@ -21,7 +21,7 @@ _OPTIMIZERS_RULE = (
 )
 
 
-def _check_path(name, value):
+def check_path(name, value):
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise TypeError(
             f"`{name}` must be a file path (str or os.PathLike) or None. "
@@ -53,8 +53,8 @@ def check_arguments(max_consecutive_skips, warn_skip_rate, csv_path, plot_path, 
             "`warn_skip_rate` must be a number in [0, 1] or None. "
             f"Received: warn_skip_rate={warn_skip_rate!r}"
         )
-    _check_path("csv_path", csv_path)
-    _check_path("plot_path", plot_path)
+    check_path("csv_path", csv_path)
+    check_path("plot_path", plot_path)
     if not _is_integer(verbose, 0):
         raise ValueError(f"`verbose` must be an integer >= 0. Received: verbose={verbose!r}")
 

@@ -1,5 +1,8 @@
 """`LossScaleMonitor`'s plot: the loss scale on a log2 axis, the loss below it.
 
+Also how a monitor's plot gets matplotlib and is written (`Float8Monitor`'s
+plot, `kmp/monitor/_float8.py`, uses them).
+
 matplotlib is optional (`pip install -e ".[plot]"`): without it the monitor
 warns how to get it and carries on.
 """
@@ -13,6 +16,33 @@ from kmp import _user_line
 from kmp.monitor._ledger import REASON_FORWARD
 
 
+def matplotlib_figure(caller, path):
+    """matplotlib's `Figure` class, or `None` after a warning naming `caller`
+    and saying how to install it."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        warnings.warn(
+            f"{caller}: plot_path was given but matplotlib is not "
+            "installed, so no plot was written. Install it with "
+            "`pip install -e \".[plot]\"` in your clone of kmp (or `pip install "
+            "matplotlib`). "
+            f"Received: plot_path={path!r}",
+            stacklevel=_user_line.stacklevel(),
+        )
+        return None
+    return Figure
+
+
+def save_figure(figure, path):
+    """Lays `figure` out and writes it to `path` as a PNG, creating its directory."""
+    figure.tight_layout()
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    figure.savefig(path, format="png")
+
+
 def write_plot(path, history):
     """Writes the loss-scale and loss plot; warns instead when matplotlib is missing.
 
@@ -21,17 +51,8 @@ def write_plot(path, history):
         history: Dict of lists, as `kmp.monitor._ledger.Ledger.history`: `step`,
             `loss`, `loss_scale`, `scale_before`, `reason`.
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        warnings.warn(
-            "LossScaleMonitor: plot_path was given but matplotlib is not "
-            "installed, so no plot was written. Install it with "
-            "`pip install -e \".[plot]\"` in your clone of kmp (or `pip install "
-            "matplotlib`). "
-            f"Received: plot_path={path!r}",
-            stacklevel=_user_line.stacklevel(),
-        )
+    Figure = matplotlib_figure("LossScaleMonitor", path)
+    if Figure is None:
         return
     steps = np.asarray(history["step"], dtype=np.float64)
     losses = np.asarray(history["loss"], dtype=np.float64)
@@ -68,8 +89,4 @@ def write_plot(path, history):
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("loss")
     loss_axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    directory = os.path.dirname(os.fspath(path))
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    figure.savefig(path, format="png")
+    save_figure(figure, path)

@@ -53,12 +53,18 @@ def _scaling_log_kind(key):
     return None
 
 
+# `Float8Monitor`'s figures (`float8/<layer>/<tensor>/<figure>`): nine per
+# float8 layer, for History, CSVLogger and TensorBoard; the bar leaves them out.
+_FLOAT8_LOGS = "float8/"
+
+
 def _readable_logs(logs):
-    """A copy of `logs` with kmp's scaler logs in readable form (`32768`, `3`)."""
+    """A copy of `logs` with kmp's scaler logs in readable form (`32768`, `3`),
+    without `Float8Monitor`'s figures."""
     if not logs:
         return logs
-    readable = dict(logs)
-    for key, value in logs.items():
+    readable = {key: value for key, value in logs.items() if not key.startswith(_FLOAT8_LOGS)}
+    for key, value in list(readable.items()):
         kind = _scaling_log_kind(key)
         if kind is None or not isinstance(value, numbers.Real):
             continue

@@ -14,4 +14,8 @@ they and `kmp.Model` share:
 - `_layer_dtypes.py`: what `kmp.summary` reports for each layer.
 - `_float8_rule.py`: which Dense and EinsumDense layers `kmp.float8` puts in
   float8, and why the others stay in 16 bits (also read by `kmp.summary`).
+- `_float8_measure.py`: what float8 does to each float8 layer's tensors and
+  output (`kmp.float8.stats`, `compare`).
+- `_float8_matmul.py`: the float8 matmul `kmp doctor` times, and which GPUs
+  run it natively.
 """

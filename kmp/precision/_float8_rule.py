@@ -57,6 +57,17 @@ def float8_layers(model):
     return found
 
 
+def without_float8(policy):
+    """The name of the policy a layer of `policy` has without float8:
+    `"mixed_bfloat16"` for `float8_from_mixed_bfloat16`; `policy`'s own name
+    for a policy without quantization."""
+    if policy.quantization_mode is None:
+        return policy.name
+    if policy.compute_dtype == policy.variable_dtype:
+        return policy.compute_dtype
+    return f"mixed_{policy.compute_dtype}"
+
+
 def matmul_features(layer):
     """`(K, N)`: the kernel's input and output features, as a matmul sees them."""
     shape = tuple(int(d) for d in layer.kernel.shape)

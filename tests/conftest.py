@@ -159,6 +159,10 @@ SLOW = (
     "test_resume.py::test_two_workers_killed_between_their_saves_resume_from_the_same_backup",
     "test_backup_safety.py::test_a_second_run_on_a_folder_in_use_is_refused_and_a_killed_one_resumes",
     "test_cli.py::test_no_gpu_for_device_gpu_exits_4",
+    # A child process each: `kmp doctor` on JAX (its benchmark, about 8 s
+    # unloaded), and `python -m kmp --help`, which imports TensorFlow.
+    "test_cli.py::test_doctor_runs_on_jax_and_reports_what_jax_sees",
+    "test_public_paths.py::test_the_console_script_and_python_m_kmp_reach_the_cli",
     "test_scaler_core.py::test_importing_kmp_changes_no_tensorflow_or_keras_attribute",
     # The identity test's stages run in one fresh process (a module fixture);
     # the checks of its snapshot itself stay fast.

@@ -71,11 +71,28 @@ def _assert_same_training(accumulated, reference):
 _JIT = pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 
 
+@pytest.fixture(scope="module")
+def unaccumulated():
+    """`run(poisoned=(), **kmp_kwargs)`: the model of the reference run, one
+    batch of the window's size per step, trained once per data and options
+    for this file (the graph and XLA cases compare with the same one; the
+    tests only read it)."""
+    models = {}
+
+    def run(poisoned=(), **kmp_kwargs):
+        key = (tuple(poisoned), tuple(sorted(kmp_kwargs.items())))
+        if key not in models:
+            models[key], _ = _fit(False, _data(poisoned), **kmp_kwargs)
+        return models[key]
+
+    return run
+
+
 @_JIT
-def test_accumulated_run_equals_one_run_on_the_concatenated_batches(jit_compile):
+def test_accumulated_run_equals_one_run_on_the_concatenated_batches(jit_compile, unaccumulated):
     data = _data()
     accumulated, _ = _fit(True, data, jit_compile=jit_compile)
-    reference, _ = _fit(False, data)
+    reference = unaccumulated()
     assert int(accumulated.optimizer.skipped_steps) == 0
     assert int(accumulated.optimizer.iterations) == _WINDOWS
     _assert_same_training(accumulated, reference)
@@ -83,11 +100,11 @@ def test_accumulated_run_equals_one_run_on_the_concatenated_batches(jit_compile)
 
 @_JIT
 @pytest.mark.parametrize("poisoned", [(9,), (9, 11)], ids=["one", "two_in_one_window"])
-def test_overflow_discards_the_whole_accumulated_step_once(poisoned, jit_compile):
+def test_overflow_discards_the_whole_accumulated_step_once(poisoned, jit_compile, unaccumulated):
     # Micro-batches 9 and 11 are in window 2 (micro-batches 8-11).
     data = _data(poisoned)
     accumulated, scales = _fit(True, data, jit_compile=jit_compile)
-    reference, _ = _fit(False, data)
+    reference = unaccumulated(poisoned)
     assert int(accumulated.optimizer.skipped_steps) == 1
     assert int(accumulated.optimizer.iterations) == _WINDOWS - 1
     _assert_same_training(accumulated, reference)
@@ -114,14 +131,14 @@ def test_accumulators_stay_finite_mid_window(jit_compile):
     assert scales[-1] == _INITIAL_SCALE * 2
 
 
-def test_clipping_with_accumulation_clips_the_accumulated_gradients():
+def test_clipping_with_accumulation_clips_the_accumulated_gradients(unaccumulated):
     # The scaler's clipping is the inner optimizer's (issue 23), which clips
     # the accumulated, unscaled gradients of a window: the same training as
     # one batch of the window's size, clipped once.
     data = _data()
     accumulated, _ = _fit(True, data, global_clipnorm=0.05)
-    reference, _ = _fit(False, data, global_clipnorm=0.05)
-    unclipped, _ = _fit(False, data)
+    reference = unaccumulated(global_clipnorm=0.05)
+    unclipped = unaccumulated()
     assert accumulated.optimizer.inner_optimizer.global_clipnorm == 0.05
     _assert_same_training(accumulated, reference)
     # The clip was active: without it the weights differ.

@@ -76,6 +76,23 @@ def _kept_backup(backup_dir, epochs=2):
     return json.loads((backup_dir / "training_metadata.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def kept_backup(tmp_path_factory):
+    """`copy(backup_dir)`: puts a copy of one kept 2-epoch backup (trained
+    once for the file) at `backup_dir`; returns its metadata. For the tests
+    that tamper with a backup's folder before a run reads it: each gets its
+    own copy, and kmp's metadata names its files relative to the folder."""
+    keras.utils.set_random_seed(0)  # as before each test: module fixtures come first
+    original = tmp_path_factory.mktemp("kept") / "backup"
+    _kept_backup(original)
+
+    def copy(backup_dir):
+        shutil.copytree(original, backup_dir, symlinks=True)
+        return json.loads((backup_dir / "training_metadata.json").read_text())
+
+    return copy
+
+
 def _snapshot(folder):
     """`{relative path: bytes}` of every file under `folder` (links as links)."""
     files = {}
@@ -98,9 +115,9 @@ def _weights(model):
 
 
 @pytest.mark.parametrize("entry", ["outside", "absolute", "symlink", "pattern", "dotdot-pattern"])
-def test_a_metadata_entry_naming_another_file_is_refused_before_loading(tmp_path, entry):
+def test_a_metadata_entry_naming_another_file_is_refused_before_loading(tmp_path, entry, kept_backup):
     backup_dir = tmp_path / "backup"
-    metadata = _kept_backup(backup_dir)
+    metadata = kept_backup(backup_dir)
     # A valid weights file of the same model elsewhere, with its checksum:
     # restoring it would "work", which is the attack.
     elsewhere = tmp_path / "elsewhere"
@@ -136,9 +153,9 @@ def test_a_metadata_entry_naming_another_file_is_refused_before_loading(tmp_path
 
 
 @pytest.mark.parametrize("entry", ["outside", "symlink", "metadata symlink"])
-def test_no_error_prints_the_digest_of_a_file_kmp_did_not_write(tmp_path, entry):
+def test_no_error_prints_the_digest_of_a_file_kmp_did_not_write(tmp_path, entry, kept_backup):
     backup_dir = tmp_path / "backup"
-    metadata = _kept_backup(backup_dir)
+    metadata = kept_backup(backup_dir)
     secret = tmp_path / "secret.weights.h5"
     secret.write_bytes(b"not for the backup's eyes")
     if entry == "metadata symlink":
@@ -478,10 +495,10 @@ def test_the_lock_is_released_when_fit_ends_or_fails_at_the_start(tmp_path):
     ],
 )
 def test_malformed_metadata_is_one_value_error_naming_file_key_and_value(
-    tmp_path, metadata, key, value
+    tmp_path, metadata, key, value, kept_backup
 ):
     backup_dir = tmp_path / "backup"
-    original = _kept_backup(backup_dir)
+    original = kept_backup(backup_dir)
     if isinstance(metadata, dict):
         # Kept valid apart from the key under test.
         metadata = {**{k: original[k] for k in ("weights", "sha256") if k not in metadata

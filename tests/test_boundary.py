@@ -311,7 +311,10 @@ def _foreign_class_names(module_name, tree):
     return classes
 
 
+@functools.lru_cache(maxsize=None)
 def _names_defined_by(klass):
+    # Cached: kmp's classes share a few Keras bases, and `inspect.getsource`
+    # of each took most of the scan's time (134 calls, about 7 s).
     names = {name for name in vars(klass) if _is_private(name)}
     try:
         source = inspect.getsource(klass)
@@ -337,9 +340,8 @@ def scan_source(source, foreign, foreign_classes=None):
     return sorted(set(scanner.found))
 
 
-def scan_package():
-    """file:line:name for each foreign private name used in kmp, per file
-    (keyed by its path from the project root, `kmp/backends/jax/step.py`)."""
+@functools.lru_cache(maxsize=None)
+def _scan_package():
     found = {}
     paths = sorted(PACKAGE.rglob("*.py"))
     assert len(paths) >= MODULES, [path.name for path in paths]
@@ -354,6 +356,16 @@ def scan_package():
             for line, name in scan_source(path.read_text(), foreign_private_names(), foreign_classes)
         ]
     return found
+
+
+def scan_package():
+    """file:line:name for each foreign private name used in kmp, per file
+    (keyed by its path from the project root, `kmp/backends/jax/step.py`).
+
+    Scanned once per process (both tests read it; kmp's sources do not change
+    during a run), and handed out as a fresh dict of lists.
+    """
+    return {path: list(entries) for path, entries in _scan_package().items()}
 
 
 def test_keras_and_tensorflow_private_names_are_used_in_the_boundary_module_only():

@@ -310,6 +310,7 @@ def test_the_slow_tier_names_tests_that_exist():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SLOW"
     ]
     missing = []
+    functions = {}  # each file parsed once: SLOW names up to 16 tests of one file
     for entry in SLOW:
         file, _, name = entry.partition("::")
         # conftest matches a file by its name, in tests/ or tests/peers/.
@@ -320,11 +321,12 @@ def test_the_slow_tier_names_tests_that_exist():
             continue
         source = sources[0]
         if name:
-            names = {
-                node.name for node in ast.walk(ast.parse(source.read_text()))
-                if isinstance(node, ast.FunctionDef)
-            }
-            if name not in names:
+            if source not in functions:
+                functions[source] = {
+                    node.name for node in ast.walk(ast.parse(source.read_text()))
+                    if isinstance(node, ast.FunctionDef)
+                }
+            if name not in functions[source]:
                 missing.append(entry)
     assert not missing, f"tests/conftest.py SLOW names tests that do not exist: {missing}"
 

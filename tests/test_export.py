@@ -367,6 +367,17 @@ def test_load_float32_file_under_float16_adds_loss_scaling_keeps_slots(tmp_path)
 # --- Keras' legacy .h5 format --------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def trained_h5(tmp_path_factory):
+    """`(model, x, path)`: a mixed_float16 kmp.Model trained until its loss
+    scale grew, saved to the legacy `.h5` format at `path`. Trained once for
+    the file's .h5 tests, which only read the model and load the file."""
+    path = tmp_path_factory.mktemp("h5") / "kmp.h5"
+    keras.utils.set_random_seed(0)  # as before each test: module fixtures come first
+    model, x = _trained_h5_model(path)
+    return model, x, path
+
+
 def _trained_h5_model(path):
     """A mixed_float16 kmp.Model trained until its loss scale grew, saved to
     the legacy `.h5` format at `path`."""
@@ -390,9 +401,8 @@ def _trained_h5_model(path):
 
 
 @pytest.mark.parametrize("loader", ["keras.saving.load_model", "kmp.load_model"])
-def test_h5_file_loads_back_as_the_kmp_model_it_was(tmp_path, loader):
-    path = tmp_path / "model.h5"
-    model, x = _trained_h5_model(path)
+def test_h5_file_loads_back_as_the_kmp_model_it_was(trained_h5, loader):
+    model, x, path = trained_h5
     assert float(model.optimizer.loss_scale) == 8.0  # grew once in 3 steps
     load = keras.saving.load_model if loader == "keras.saving.load_model" else kmp.load_model
 
@@ -412,9 +422,8 @@ def test_h5_file_loads_back_as_the_kmp_model_it_was(tmp_path, loader):
         assert int(loaded.optimizer.counters[name]) == int(counter), name
 
 
-def test_h5_file_loads_under_another_policy(tmp_path):
-    path = tmp_path / "model.h5"
-    model, x = _trained_h5_model(path)
+def test_h5_file_loads_under_another_policy(trained_h5):
+    model, x, path = trained_h5
 
     loaded = kmp.load_model(path, policy="float32")
 
@@ -451,12 +460,12 @@ _OLDER_H5_LOADER = (
 
 
 @pytest.mark.skipif(_KERAS_BEFORE_3_15, reason=_OLDER_H5_LOADER)
-def test_h5_loaded_model_trains_on_as_a_keras_model_does(tmp_path):
+def test_h5_loaded_model_trains_on_as_a_keras_model_does(trained_h5, tmp_path):
     # Keras' .h5 loader builds the optimizer for `model._trainable_variables`
     # (the model's own variables: none for a functional model), so in Keras
     # 3.15 a keras.Model loaded from .h5 cannot train on. kmp must do what
     # keras.Model does, whichever way Keras goes.
-    model, x = _trained_h5_model(tmp_path / "kmp.h5")
+    _, x, path = trained_h5
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((3,))
     reference = keras.Model(inputs, keras.layers.Dense(2, name="out")(inputs))
@@ -468,7 +477,7 @@ def test_h5_loaded_model_trains_on_as_a_keras_model_does(tmp_path):
     reference.save(tmp_path / "keras.h5")
     kmp.set_policy("float32")
 
-    loaded = keras.saving.load_model(tmp_path / "kmp.h5")
+    loaded = keras.saving.load_model(path)
     loaded_reference = keras.saving.load_model(tmp_path / "keras.h5")
 
     assert _fit_outcome(loaded, x) == _fit_outcome(loaded_reference, x)

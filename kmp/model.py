@@ -420,9 +420,11 @@ class Model(_keras_internals.ModelBase):
         own_wrapper = getattr(vars(self).get("train_step"), "_kmp_reporting", False)
         if "train_step" not in vars(self) or (own_wrapper and trainer.REWRAP_EACH_TRAIN_FUNCTION):
             # On this instance (no class is changed): Keras' function and
-            # kmp's call `self.train_step`, now with the scalers' logs. On
-            # TensorFlow once: each `tf.function` Keras makes traces it
-            # afresh. On JAX a new function for each train function: `jax.jit`
+            # kmp's call `self.train_step`, now with the scalers' logs (on
+            # TensorFlow a subclass's own step only: kmp's own step there
+            # reports itself). On TensorFlow once: each `tf.function` Keras
+            # makes traces it afresh. On JAX a new function for each train
+            # function (kmp's own step included): `jax.jit`
             # keeps its traces by the Python function, and the same one would
             # bring back the step traced for the last `compile` (its loss, its
             # metrics, its optimizer) or before a monitor was attached.

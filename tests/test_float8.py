@@ -546,6 +546,19 @@ def test_stats_count_saturated_and_flushed_kernel_values_exactly():
     assert figures["outputs_grad"]["amax"] == 0.0  # not trained yet
 
 
+def test_stats_without_x_give_every_float8_layers_histories_and_kernel():
+    """Without `x` (Float8Monitor's default): each float8 layer's amax and
+    scale, its kernel's shares, and `None` for the inputs' and output
+    gradients' shares."""
+    model = _float8_mlp("mixed_bfloat16")
+    figures = float8.stats(model)
+    assert set(figures) == {"up", "mid"}
+    for tensors in figures.values():
+        assert tensors["kernel"]["saturated"] == 0.0 and tensors["kernel"]["scale"] == 1.0
+        assert tensors["inputs"]["saturated"] is None and tensors["inputs"]["amax"] == 0.0
+        assert tensors["outputs_grad"]["flushed"] is None
+
+
 def _counted_shares(gradient, scale):
     """The shares of `gradient` the probe counts against `scale`, in float64:
     saturated (|g| / scale above e5m2's maximum) and flushed (nonzero, at
@@ -680,6 +693,11 @@ def test_the_probe_counts_the_gradients_inside_a_multi_head_attention():
     unquantized = _counted_shares(value_gradient(output_gradient), gradient_scales["attention/value"])
     assert max(abs(a - b) for a, b in zip(unquantized, expected["attention/value"])) > 8 / y.size
     _assert_unchanged(model, before)
+    # Their inputs are in no graph: not measured, and compare says why.
+    assert figures["attention/value"]["inputs"]["saturated"] is None
+    with pytest.raises(ValueError, match=r"inside another layer .*Received: such float8 layers "
+                       r"\['attention/attention_output', 'attention/value'\]"):
+        float8.compare(model, x)
 
 
 def _quarter(x):
@@ -759,6 +777,13 @@ def test_the_probe_measures_every_float8_layer_of_a_transformer_block():
         "attention/attention_output": 1.0, "ff_up": 0.0, "ff_down": 1.0}
     assert {tensors["outputs_grad"]["saturated"] for tensors in figures.values()} == {0.0}
     _assert_unchanged(model, before)
+    # The inputs of the layers in the model's graph are measured beside the
+    # projections, whose inputs no graph holds: `embed`'s are `x` (scale 1).
+    inputs = {label: tensors["inputs"] for label, tensors in figures.items()}
+    assert (inputs["embed"]["saturated"], inputs["embed"]["flushed"]) == (
+        0.0, float(np.mean(np.abs(x) <= float8.E4M3_TINY / 2)))
+    assert inputs["ff_up"]["saturated"] is not None and inputs["ff_down"]["flushed"] is not None
+    assert {inputs[label]["saturated"] for label in figures if label.startswith("attention/")} == {None}
 
 
 def _delayed_scales(layer, x):

@@ -39,8 +39,9 @@ calls the class's `quantized_call`, then the tap, then the activation. The
 counts live in a layer attached to the copy outside its graph (a functional
 model takes one so), which makes them variables of the copy's step.
 
-A float8 layer the copy's step does not call (a branch the model skips on
-`x`) receives no gradient and reports `None`.
+A float8 layer called more than once counts the gradients of all its
+calls together; one the copy's step does not call (a branch the model
+skips on `x`) receives no gradient and reports `None`.
 """
 
 import keras

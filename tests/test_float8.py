@@ -546,6 +546,47 @@ def test_stats_count_saturated_and_flushed_kernel_values_exactly():
     assert figures["outputs_grad"]["amax"] == 0.0  # not trained yet
 
 
+def test_stats_without_x_give_every_float8_layers_histories_and_kernel():
+    """Without `x` (Float8Monitor's default): each float8 layer's amax and
+    scale, its kernel's shares, and `None` for the inputs' and output
+    gradients' shares."""
+    model = _float8_mlp("mixed_bfloat16")
+    figures = float8.stats(model)
+    assert set(figures) == {"up", "mid"}
+    for tensors in figures.values():
+        assert tensors["kernel"]["saturated"] == 0.0 and tensors["kernel"]["scale"] == 1.0
+        assert tensors["inputs"]["saturated"] is None and tensors["inputs"]["amax"] == 0.0
+        assert tensors["outputs_grad"]["flushed"] is None
+
+
+def _counted_shares(gradient, scale):
+    """The shares of `gradient` the probe counts against `scale`, in float64:
+    saturated (|g| / scale above e5m2's maximum) and flushed (nonzero, at
+    most half e5m2's smallest subnormal)."""
+    scaled = np.abs(np.asarray(gradient, np.float64)) / scale
+    return (float(np.mean(scaled > float8.E5M2_MAX)),
+            float(np.mean((scaled > 0) & (scaled <= float8.E5M2_TINY / 2))))
+
+
+def _state(model):
+    """What a measurement must leave as it was: every variable's value (the
+    float8 histories and scales among them), and each float8 layer's own
+    attributes (no call or activation of the probe's set on it)."""
+    values = [ops.convert_to_numpy(weight).copy() for weight in model.weights]
+    attributes = [dict(vars(layer)) for layer in float8.float8_layers(model)]
+    return values, attributes
+
+
+def _assert_unchanged(model, before):
+    values, attributes = before
+    for weight, value in zip(model.weights, values):
+        np.testing.assert_array_equal(ops.convert_to_numpy(weight), value, err_msg=weight.path)
+    for layer, own in zip(float8.float8_layers(model), attributes):
+        assert "quantized_call" not in vars(layer), layer.path
+        assert layer.activation is own["activation"], layer.path
+        assert dict(vars(layer)).keys() == own.keys(), layer.path
+
+
 @pytest.mark.parametrize("loss_scale", [None, 2.0**10])
 def test_the_probe_counts_the_output_gradient_as_e5m2_quantizes_it(loss_scale):
     """`mid` (float8, kernel zero) feeds an identity `head`, and the loss is
@@ -569,21 +610,180 @@ def test_the_probe_counts_the_output_gradient_as_e5m2_quantizes_it(loss_scale):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 32)).astype("float32")
     y = (2.0 ** rng.uniform(-60, 0, size=(8, 32)) * rng.choice([-1, 1], (8, 32))).astype("float32")
-    before = [ops.convert_to_numpy(w).copy() for w in model.weights]
+    before = _state(model)
 
     figures = float8.stats(model, x, y)["mid"]["outputs_grad"]
 
-    gradient = np.abs(2.0 * y.astype(np.float64) / y.size) / 2.0**-30
-    saturated = np.mean(gradient > float8.E5M2_MAX)
-    flushed = np.mean((gradient > 0) & (gradient <= float8.E5M2_TINY / 2))
+    saturated, flushed = _counted_shares(2.0 * y.astype(np.float64) / y.size, 2.0**-30)
     assert 0.05 < saturated < 0.2 and 0.25 < flushed < 0.4, (saturated, flushed)
     # Within one value of 256: float32's rounding of 2 * y / n at a threshold.
     assert figures["saturated"] == pytest.approx(saturated, abs=1.01 / y.size)
     assert figures["flushed"] == pytest.approx(flushed, abs=1.01 / y.size)
-    for weight, value in zip(model.weights, before):
-        np.testing.assert_array_equal(ops.convert_to_numpy(weight), value, err_msg=weight.path)
+    _assert_unchanged(model, before)
     with pytest.raises(ValueError, match="`y` needs `x`. Received: x=None"):
         float8.stats(model, y=y)
+
+
+def _spread_targets(shape):
+    """Targets spread over 60 binades (2**-60 .. 1), either sign: wider than
+    e5m2's 32, so that a scale in between saturates some and flushes some."""
+    rng = np.random.default_rng(0)
+    return (2.0 ** rng.uniform(-60, 0, size=shape) * rng.choice([-1, 1], shape)).astype("float32")
+
+
+def test_the_probe_counts_the_gradients_inside_a_multi_head_attention():
+    """The model is one MultiHeadAttention (2 heads of 16, 4 tokens of 32);
+    its value and output projections run float8, and the loss is the MSE at
+    a loss scale of 2**10. With the query, key and value kernels zero, the
+    attention is uniform (1/4 on each token) and the output 0, so the output
+    projection's gradient is exactly `2**10 * 2 * (0 - y) / n`, and the value
+    projection's (the output projection's kernel is the identity) the sum
+    over the 4 queries, times 1/4, of that gradient as the output
+    projection's e5m2 quantization leaves it (Keras' own
+    quantize_and_dequantize here). The probe's shares are those: 8% and 34%
+    of the output projection's gradient saturated and flushed, 31% and 0%
+    of the value projection's (33% and 0.4% without the quantization
+    upstream, which the probe's copy keeps). The model, its layers' calls
+    and activations included, is left as it was."""
+    scale = 2.0**10
+    inputs = keras.Input((4, 32))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=16, name="attention")
+    model = keras.Model(inputs, attention(inputs, inputs))
+    for dense in (attention.query_dense, attention.key_dense, attention.value_dense):
+        dense.kernel.assign(np.zeros(dense.kernel.shape, "float32"))
+    attention.output_dense.kernel.assign(np.eye(32, dtype="float32").reshape(2, 16, 32))
+    attention.value_dense.quantize("float8")
+    attention.output_dense.quantize("float8")
+    model.compile(loss="mse", optimizer=kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=scale, dynamic=False))
+    gradient_scales = {"attention/attention_output": 2.0**-30 * scale,
+                       "attention/value": 2.0**-33 * scale}
+    attention.output_dense.outputs_grad_scale.assign(gradient_scales["attention/attention_output"])
+    attention.value_dense.outputs_grad_scale.assign(gradient_scales["attention/value"])
+    x = np.random.default_rng(1).normal(size=(8, 4, 32)).astype("float32")
+    y = _spread_targets((8, 4, 32))
+    before = _state(model)
+
+    figures = float8.stats(model, x, y)
+
+    output_gradient = (-2.0 * scale / y.size) * y  # exact in float32: powers of two
+    quantized = ops.convert_to_numpy(keras.quantizers.quantize_and_dequantize(
+        ops.array(output_gradient), ops.array(gradient_scales["attention/attention_output"]),
+        "float8_e5m2", "float32"))
+
+    def value_gradient(upstream):
+        return np.broadcast_to(0.25 * upstream.sum(axis=1, keepdims=True), upstream.shape)
+
+    expected = {
+        "attention/attention_output": _counted_shares(output_gradient,
+                                                      gradient_scales["attention/attention_output"]),
+        "attention/value": _counted_shares(value_gradient(quantized),
+                                           gradient_scales["attention/value"]),
+    }
+    assert set(figures) == set(expected)
+    for label, (saturated, flushed) in expected.items():
+        measured = figures[label]["outputs_grad"]
+        # Within one value of the 4 each value-gradient row is repeated over:
+        # float32 sums the 4 queries in another order than NumPy.
+        assert measured["saturated"] == pytest.approx(saturated, abs=4.01 / y.size), label
+        assert measured["flushed"] == pytest.approx(flushed, abs=4.01 / y.size), label
+    assert 0.05 < expected["attention/attention_output"][0] < 0.15
+    assert 0.3 < expected["attention/attention_output"][1] < 0.5
+    assert 0.3 < expected["attention/value"][0] < 0.4
+    unquantized = _counted_shares(value_gradient(output_gradient), gradient_scales["attention/value"])
+    assert max(abs(a - b) for a, b in zip(unquantized, expected["attention/value"])) > 8 / y.size
+    _assert_unchanged(model, before)
+    # Their inputs are in no graph: not measured, and compare says why.
+    assert figures["attention/value"]["inputs"]["saturated"] is None
+    with pytest.raises(ValueError, match=r"inside another layer .*Received: such float8 layers "
+                       r"\['attention/attention_output', 'attention/value'\]"):
+        float8.compare(model, x)
+
+
+def _quarter(x):
+    return 0.25 * x
+
+
+class _Block(keras.layers.Layer):
+    """A layer of two Dense layers: `mid` (kernel zero, activation x / 4)
+    then `head` (kernel the identity)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mid = keras.layers.Dense(32, use_bias=False, kernel_initializer="zeros",
+                                      activation=_quarter, name="mid")
+        self.head = keras.layers.Dense(32, use_bias=False, kernel_initializer="identity",
+                                       name="head")
+
+    def build(self, input_shape):
+        self.mid.build(input_shape)
+        self.head.build(input_shape[:-1] + (32,))
+
+    def call(self, inputs):
+        return self.head(self.mid(inputs))
+
+
+def test_the_probe_taps_a_float8_dense_inside_a_custom_layer_before_its_activation():
+    """`mid`, a float8 Dense inside a custom layer, with the activation
+    x / 4: the gradient it quantizes, its matmul output's, is a quarter of
+    the gradient at its output, `2 * (0 - y) / n` (MSE, output 0). The probe
+    counts the quarter (a tap after the activation would count 2 binades of
+    60 higher: other shares)."""
+    inputs = keras.Input((32,))
+    block = _Block(name="block")
+    model = keras.Model(inputs, block(inputs))
+    block.mid.quantize("float8")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    block.mid.outputs_grad_scale.assign(2.0**-30)
+    x = np.random.default_rng(1).normal(size=(8, 32)).astype("float32")
+    y = _spread_targets((8, 32))
+    before = _state(model)
+
+    figures = float8.stats(model, x, y)["block/mid"]["outputs_grad"]
+
+    saturated, flushed = _counted_shares(0.25 * 2.0 * y / y.size, 2.0**-30)
+    assert figures["saturated"] == pytest.approx(saturated, abs=1.01 / y.size)
+    assert figures["flushed"] == pytest.approx(flushed, abs=1.01 / y.size)
+    after_activation = _counted_shares(2.0 * y / y.size, 2.0**-30)
+    assert max(abs(a - b) for a, b in zip(after_activation, (saturated, flushed))) > 3 / y.size
+    _assert_unchanged(model, before)
+
+
+def test_the_probe_measures_every_float8_layer_of_a_transformer_block():
+    """`_tiny_transformer` under mixed_bfloat16 with its 7 float8 layers
+    (the embedding, the attention's 4 projections, the feed-forward's 2),
+    each with an output-gradient scale of 2**60: every nonzero gradient
+    flushes to zero. A layer whose gradient comes only through another
+    float8 layer's receives zeros, and flushes none: the query, key and
+    value projections (through the output projection) and `ff_up`
+    (through `ff_down`). The others, reached through a residual
+    connection too, flush all of theirs."""
+    kmp.set_policy("mixed_bfloat16")
+    model = _tiny_transformer()
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    for layer in float8.float8_layers(model):
+        layer.outputs_grad_scale.assign(2.0**60)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 8, 16)).astype("float32")
+    y = rng.integers(0, 10, size=(16,)).astype("int32")
+    before = _state(model)
+
+    figures = float8.stats(model, x, y)
+
+    flushed = {label: tensors["outputs_grad"]["flushed"] for label, tensors in figures.items()}
+    assert flushed == {
+        "embed": 1.0, "attention/query": 0.0, "attention/key": 0.0, "attention/value": 0.0,
+        "attention/attention_output": 1.0, "ff_up": 0.0, "ff_down": 1.0}
+    assert {tensors["outputs_grad"]["saturated"] for tensors in figures.values()} == {0.0}
+    _assert_unchanged(model, before)
+    # The inputs of the layers in the model's graph are measured beside the
+    # projections, whose inputs no graph holds: `embed`'s are `x` (scale 1).
+    inputs = {label: tensors["inputs"] for label, tensors in figures.items()}
+    assert (inputs["embed"]["saturated"], inputs["embed"]["flushed"]) == (
+        0.0, float(np.mean(np.abs(x) <= float8.E4M3_TINY / 2)))
+    assert inputs["ff_up"]["saturated"] is not None and inputs["ff_down"]["flushed"] is not None
+    assert {inputs[label]["saturated"] for label in figures if label.startswith("attention/")} == {None}
 
 
 def _delayed_scales(layer, x):

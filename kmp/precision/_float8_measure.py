@@ -32,17 +32,28 @@ def _quantized_shares(values, scale, fmt):
 
 
 def _layer_inputs(model, layers, x):
-    """The values each of `layers` received from `model` on `x`, or `None`
-    per layer where the model has no graph to read them from."""
-    try:
-        tensors = [layer.input for layer in layers]
-        extractor = keras.Model(model.inputs, tensors)
-    except (AttributeError, ValueError):
+    """The values each of `layers` received from `model` on `x`; `None` for
+    every layer without `x`, and for a layer whose inputs the model's graph
+    does not hold: in a model without a graph, a float8 layer inside
+    another layer (called by that layer's own `call`), a layer called more
+    than once."""
+    if x is None:
         return [None] * len(layers)
-    values = extractor.predict(x, verbose=0) if x is not None else None
-    if len(layers) == 1:
+    tensors = {}
+    for index, layer in enumerate(layers):
+        try:
+            # Raises unless the layer's one input is reachable from the model's.
+            keras.Model(model.inputs, layer.input)
+        except (AttributeError, ValueError):
+            continue
+        tensors[index] = layer.input
+    if not tensors:
+        return [None] * len(layers)
+    values = keras.Model(model.inputs, list(tensors.values())).predict(x, verbose=0)
+    if not isinstance(values, (list, tuple)):
         values = [values]
-    return values
+    found = dict(zip(tensors, values))
+    return [found.get(index) for index in range(len(layers))]
 
 
 def stats(model, x=None, y=None, loss=None):
@@ -66,7 +77,9 @@ def stats(model, x=None, y=None, loss=None):
 
     - `kernel`: always, on the kernel itself.
     - `inputs`: when `x` is given to a functional or Sequential model, on
-      the layer's inputs from `x`.
+      the layer's inputs from `x`, read from the model's graph: not for a
+      float8 layer inside another layer (a `MultiHeadAttention`'s
+      projections), whose inputs the graph does not hold.
     - `outputs_grad`: when `x` and `y` are given to a compiled (or given
       `loss`) functional or Sequential model, by a probe training step on
       `(x, y)`: one step of a copy of the model (the model itself is not
@@ -74,8 +87,10 @@ def stats(model, x=None, y=None, loss=None):
       scaled step's is, and which counts the gradient each float8 layer's
       matmul output receives against its `outputs_grad_scale`. The loss
       averages over the batch, so give a batch of the training batch size:
-      a larger one has smaller gradients. A float8 layer inside another
-      layer (a `MultiHeadAttention`'s projections) is not probed.
+      a larger one has smaller gradients. Float8 layers inside another
+      layer (a `MultiHeadAttention`'s projections, the Dense layers of a
+      custom layer) are measured too: the probe taps every float8 layer
+      of its copy, at any depth.
 
     `None` where not measured. Without the probe, the output gradient's
     `amax` and `range_used` (from its history) say whether the last step
@@ -199,7 +214,9 @@ def compare(model, x, tolerance=0.1):
 
     Raises:
         ValueError: if `tolerance` is not a positive number, or `model` has
-            no graph to read its layers' inputs from.
+            no graph to read its layers' inputs from (a subclassed model),
+            or a float8 layer's inputs are not in it (one inside another
+            layer, or called more than once).
 
     Example:
 
@@ -220,11 +237,21 @@ def compare(model, x, tolerance=0.1):
     if not layers:
         return []
     inputs = _layer_inputs(model, layers, x)
-    if inputs[0] is None:
+    if getattr(model, "inputs", None) is None:
         raise ValueError(
             "kmp.float8.compare reads each float8 layer's inputs from the model's "
             f"graph, and {model.name!r} has none (a subclassed model). Received: "
             f"model of type {type(model).__name__}"
+        )
+    unread = [_keep_float32._layer_label(layer)
+              for layer, value in zip(layers, inputs) if value is None]
+    if unread:
+        raise ValueError(
+            "kmp.float8.compare reads each float8 layer's inputs from the model's "
+            "graph, which does not hold them for a float8 layer inside another "
+            "layer (a MultiHeadAttention's projections) or one called more than "
+            "once; `kmp.float8.stats(model, x, y)` measures their output "
+            f"gradients. Received: such float8 layers {unread}"
         )
     rows = []
     for layer, layer_inputs in zip(layers, inputs):

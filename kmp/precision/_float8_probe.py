@@ -7,21 +7,41 @@ saturate or flush to zero, `OutputGradientProbe` runs one training step of
 a copy of the model, backend-neutral, through Keras' own `train_on_batch`:
 
 ```
-copy = the model, each float8 layer L replaced by
-       L without its activation -> tap -> L's activation
-       (the tap passes values through; its gradient, the gradient L's
-       matmul output receives, is what L quantizes to e5m2: bias-add does
-       not change it)
+copy = the model, each layer made again from its config (the float8
+       layers inside another layer, a MultiHeadAttention's projections,
+       quantized as in the model)
+for each float8 layer L of the copy, at any depth:
+    L computes its float8 matmul and bias -> tap -> L's activation
+    (the tap passes values through; its gradient, the gradient L's
+    matmul output receives, is what L quantizes to e5m2: bias-add does
+    not change it)
 copy's weights <- the model's (float8 scales and histories included)
 loss = the model's loss * the current loss scale   (as the scaled step's)
 one step of SGD(learning_rate=0) on (x, y):
-    the tap's gradient counts, against L's current `outputs_grad_scale`:
+    each tap's gradient counts, against its layer's current
+    `outputs_grad_scale`:
         saturated: |g| / scale > e5m2's maximum (57344)
         flushed:   0 < |g| / scale <= half e5m2's smallest subnormal
-    and writes the counts into a variable of its own
+    and writes the counts into a variable of the probe's
     (`overwrite_with_gradient`, as Keras' float8 histories are written)
 ```
 The model itself, its optimizer and its float8 state are not touched.
+
+Keras calls a float8 layer's `quantized_call` (from `__call__`, and from
+`stateless_call` on JAX), which runs its `_float8_call`: matmul, the e5m2
+quantization of the output gradient, bias, activation. A float8 layer
+inside another layer is called by that layer's own `call`, where no layer
+of the probe's can stand between the matmul and the activation; so the tap
+goes into the float8 layer itself, for top-level and nested layers alike:
+on the copy's instance, never on the model's nor on a Keras class, the
+probe sets `activation` to `None` and `quantized_call` to a function that
+calls the class's `quantized_call`, then the tap, then the activation. The
+counts live in a layer attached to the copy outside its graph (a functional
+model takes one so), which makes them variables of the copy's step.
+
+A float8 layer called more than once counts the gradients of all its
+calls together; one the copy's step does not call (a branch the model
+skips on `x`) receives no gradient and reports `None`.
 """
 
 import keras
@@ -31,8 +51,6 @@ from kmp import _keras_internals
 from kmp import loss_scale as loss_scale_module
 from kmp.precision._float8_formats import FORMAT_LIMITS
 from kmp.precision import _keep_float32
-from kmp.precision._float8_rule import float8_layers
-from kmp.precision._float8_rule import without_float8
 
 
 def current_loss_scale(model):
@@ -46,51 +64,62 @@ def current_loss_scale(model):
     return None
 
 
-class _GradientTap(keras.layers.Layer):
-    """A float8 matmul layer without its activation, then a tap, then the
-    activation: the tap counts what the matmul's e5m2 quantization does to
-    the gradient it receives (see the module's docstring)."""
+class _TapCounts(keras.layers.Layer):
+    """One variable per tapped float8 layer: `(saturated, flushed, values)`
+    of its output gradient, written by its tap's gradient."""
 
-    def __init__(self, matmul, activation, **kwargs):
-        # The policy without float8: Keras sends a float8 policy's layers to
-        # their `_float8_call`.
-        super().__init__(name=matmul.name, dtype=without_float8(matmul.dtype_policy), **kwargs)
-        self.matmul = matmul
-        self.activation = activation
+    def __init__(self, count, **kwargs):
+        super().__init__(dtype="float32", **kwargs)
+        self.rows = [
+            self.add_weight(
+                shape=(3,), initializer="zeros", dtype="float32", autocast=False,
+                overwrite_with_gradient=True, name="output_gradient_counts",
+            )
+            for _ in range(count)
+        ]
+        self.built = True
 
-    def build(self, input_shape):
-        self.matmul.build(input_shape)
-        # (saturated, flushed, values): the gradient written by the tap.
-        self.counts = self.add_weight(
-            shape=(3,), initializer="zeros", dtype="float32", autocast=False,
-            overwrite_with_gradient=True, name="output_gradient_counts",
-        )
 
-    def call(self, inputs):
-        outputs = self.matmul(inputs)
-        scale = ops.stop_gradient(ops.convert_to_tensor(self.matmul.outputs_grad_scale))
-        largest, tiny = FORMAT_LIMITS["e5m2"]
+def _count_output_gradient(outputs, scale, counts):
+    """`outputs`, unchanged; its gradient passes unchanged too, and the
+    gradient of `counts` is what quantizing it to e5m2 with `scale` does:
+    `(saturated, flushed, values)`."""
+    largest, tiny = FORMAT_LIMITS["e5m2"]
 
-        @ops.custom_gradient
-        def tap(outputs, counts):
-            def grad(*args, upstream=None, variables=None):
-                if upstream is None:
-                    (upstream,) = args
-                scaled = ops.abs(ops.cast(upstream, "float32")) / scale
-                found = ops.stack([
-                    ops.sum(ops.cast(scaled > largest, "float32")),
-                    ops.sum(ops.cast((scaled > 0) & (scaled <= tiny / 2), "float32")),
-                    ops.cast(ops.size(upstream), "float32"),
-                ])
-                return upstream, found
+    @ops.custom_gradient
+    def tap(outputs, counts):
+        def grad(*args, upstream=None, variables=None):
+            if upstream is None:
+                (upstream,) = args
+            scaled = ops.abs(ops.cast(upstream, "float32")) / scale
+            found = ops.stack([
+                ops.sum(ops.cast(scaled > largest, "float32")),
+                ops.sum(ops.cast((scaled > 0) & (scaled <= tiny / 2), "float32")),
+                ops.cast(ops.size(upstream), "float32"),
+            ])
+            return upstream, found
 
-            return outputs, grad
+        return outputs, grad
 
-        outputs = tap(outputs, ops.convert_to_tensor(self.counts))
-        return outputs if self.activation is None else self.activation(outputs)
+    return tap(outputs, counts)
 
-    def compute_output_shape(self, input_shape):
-        return self.matmul.compute_output_shape(input_shape)
+
+def _tap(layer, counts):
+    """Makes `layer`, a float8 layer of the probe's copy (never of the
+    user's model), count its output gradient into the variable `counts`:
+    its float8 matmul and bias, the tap, then its activation (see the
+    module's docstring)."""
+    float8_call = layer.quantized_call
+    activation = layer.activation
+    layer.activation = None
+
+    def tapped_call(*args, **kwargs):
+        outputs = float8_call(*args, **kwargs)
+        scale = ops.stop_gradient(ops.convert_to_tensor(layer.outputs_grad_scale))
+        outputs = _count_output_gradient(outputs, scale, ops.convert_to_tensor(counts))
+        return outputs if activation is None else activation(outputs)
+
+    layer.quantized_call = tapped_call
 
 
 class OutputGradientProbe:
@@ -109,9 +138,9 @@ class OutputGradientProbe:
         self.model = model
         self.loss = loss
         self._copy = None
-        # Made with the copy: {layer path: its tap in the copy}, and
-        # (layer of the model, the layer holding its variables in the copy).
-        self._taps = {}
+        # Made with the copy: {float8 layer's path: its counts variable},
+        # and (layer of the model, its copy) for its layers at any depth.
+        self._counts = {}
         self._pairs = []
         self._compiled_scale = None
 
@@ -122,17 +151,11 @@ class OutputGradientProbe:
                 "Measuring the float8 output gradients needs a loss: compile "
                 f"{self.model.name!r} with one, or pass `loss`. Received: loss=None"
             )
-        targets = {id(layer) for layer in float8_layers(self.model)}
 
         def clone_layer(layer):
             if isinstance(layer, keras.Model):
                 return keras.models.clone_model(layer, clone_function=clone_layer)
-            config = layer.get_config()
-            if id(layer) not in targets:
-                return layer.__class__.from_config(config)
-            activation = layer.activation
-            config["activation"] = None
-            return _GradientTap(layer.__class__.from_config(config), activation)
+            return layer.__class__.from_config(layer.get_config())
 
         try:
             copy = keras.models.clone_model(self.model, clone_function=clone_layer)
@@ -143,30 +166,32 @@ class OutputGradientProbe:
                 f"{error}). A functional or Sequential model can. Received: model "
                 f"of type {type(self.model).__name__}"
             ) from None
-        pairs = list(_layer_pairs(self.model, copy))
-        self._taps = {
-            _keep_float32._layer_label(layer): copied
-            for layer, copied in pairs
-            if isinstance(copied, _GradientTap)
-        }
-        # A tapped layer's variables are its matmul's.
         self._pairs = [
-            (layer, copied.matmul if isinstance(copied, _GradientTap) else copied)
-            for layer, copied in pairs
+            pair
+            for layer, copied in _layer_pairs(self.model, copy)
+            for pair in [(layer, copied)] + _inner_pairs(layer, copied)
         ]
+        tapped = []
+        for layer, copied in self._pairs:
+            if layer.dtype_policy.quantization_mode != "float8":
+                continue
+            # A float8 layer inside a layer made from its config (the
+            # EinsumDense layers of a MultiHeadAttention) is made without
+            # float8: quantized here, the copy computes what the model does.
+            if copied.dtype_policy.quantization_mode is None:
+                copied.quantize("float8")
+            tapped.append((layer, copied))
+        counts = _TapCounts(len(tapped), name="float8_probe_counts")
+        for (layer, copied), row in zip(tapped, counts.rows):
+            _tap(copied, row)
+            self._counts[_keep_float32._layer_label(layer)] = row
         self._copy = keras.Model(copy.inputs, copy.outputs)
+        # Outside the copy's graph, and still one of its layers: its
+        # variables are the step's, which writes the counts into them.
+        self._copy.float8_probe_counts = counts
         self._losses = keras.tree.map_structure(
             lambda item: keras.losses.get(item) if isinstance(item, str) else item, loss
         )
-        # Float8 layers inside a layer copied whole from its config (the
-        # EinsumDense layers of a MultiHeadAttention) are quantized as in the
-        # model: the copy computes what the model computes. The probe does
-        # not tap them.
-        for layer, copied in self._pairs:
-            for inner, inner_copy in _inner_pairs(layer, copied):
-                if (inner.dtype_policy.quantization_mode == "float8"
-                        and inner_copy.dtype_policy.quantization_mode is None):
-                    inner_copy.quantize("float8")
 
     def measure(self, x, y):
         """`{layer path: (saturated, flushed)}`: the shares of each float8
@@ -185,10 +210,13 @@ class OutputGradientProbe:
             self._compiled_scale = scale
         for layer, copied in self._pairs:
             _copy_variables(layer, copied)
+        for row in self._counts.values():
+            # A layer the step does not reach keeps no counts of an earlier call.
+            row.assign(ops.zeros((3,)))
         self._copy.train_on_batch(x, y)
         shares = {}
-        for label, tap in self._taps.items():
-            saturated, flushed, values = (float(v) for v in ops.convert_to_numpy(tap.counts))
+        for label, row in self._counts.items():
+            saturated, flushed, values = (float(v) for v in ops.convert_to_numpy(row))
             shares[label] = (saturated / values, flushed / values) if values else (None, None)
         return shares
 
@@ -227,21 +255,20 @@ def _own_variables(layer):
 
 
 def _copy_variables(layer, copied):
-    """Assigns `layer`'s variables, and those of the layers inside it, to
-    their copies, by name: a float8 layer made from its config creates its
-    variables in another order than one `quantize` made."""
-    for source, target in [(layer, copied)] + _inner_pairs(layer, copied):
-        into = _own_variables(target)
-        for name, variable in _own_variables(source).items():
-            if name not in into:
-                raise ValueError(
-                    f"The probe's copy of layer {source.name!r} has no variable "
-                    f"{name!r}: was the model changed since the probe was made? "
-                    f"Received: a layer with variables {sorted(_own_variables(source))}"
-                )
-            # A copy of the value, never the array itself: JAX's compiled
-            # step donates the copy's buffers, which would delete the model's.
-            into[name].assign(ops.convert_to_numpy(variable))
+    """Assigns the variables `layer` holds itself to those of its copy, by
+    name: a float8 layer made from its config creates its variables in
+    another order than one `quantize` made."""
+    into = _own_variables(copied)
+    for name, variable in _own_variables(layer).items():
+        if name not in into:
+            raise ValueError(
+                f"The probe's copy of layer {layer.name!r} has no variable "
+                f"{name!r}: was the model changed since the probe was made? "
+                f"Received: a layer with variables {sorted(_own_variables(layer))}"
+            )
+        # A copy of the value, never the array itself: JAX's compiled
+        # step donates the copy's buffers, which would delete the model's.
+        into[name].assign(ops.convert_to_numpy(variable))
 
 
 def _scaled(loss_fn, scale):

@@ -303,10 +303,14 @@ def _weights_without_float8_state(model):
 
 
 def _float8_rows(model, batches):
-    """`kmp.float8.compare` on each batch's inputs: the worst row per float8 layer."""
+    """`kmp.float8.compare` on each batch's inputs: the worst row per float8
+    layer, read in one copy of the model."""
+    if not float8_layers(model):
+        return []
+    probe = _float8_probe.Float8Probe(model)
     worst = {}
     for x, _ in batches:
-        for row in _float8_measure.compare(model, x):
+        for row in _float8_measure.compare_calls(model, probe.layer_calls(x)):
             kept = worst.get(row["layer"])
             if kept is None or row["float8_error"] > kept["float8_error"]:
                 worst[row["layer"]] = row

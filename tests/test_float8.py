@@ -559,13 +559,14 @@ def test_stats_without_x_give_every_float8_layers_histories_and_kernel():
         assert tensors["outputs_grad"]["flushed"] is None
 
 
-def _counted_shares(gradient, scale):
-    """The shares of `gradient` the probe counts against `scale`, in float64:
-    saturated (|g| / scale above e5m2's maximum) and flushed (nonzero, at
-    most half e5m2's smallest subnormal)."""
-    scaled = np.abs(np.asarray(gradient, np.float64)) / scale
-    return (float(np.mean(scaled > float8.E5M2_MAX)),
-            float(np.mean((scaled > 0) & (scaled <= float8.E5M2_TINY / 2))))
+def _counted_shares(values, scale, largest=float8.E5M2_MAX, tiny=float8.E5M2_TINY):
+    """The shares of `values` quantizing with `scale` to a float8 format
+    (e5m2 unless `largest` and `tiny` say otherwise) clips or flushes, in
+    float64: saturated (|v| / scale above the format's maximum) and flushed
+    (nonzero, at most half its smallest subnormal)."""
+    scaled = np.abs(np.asarray(values, np.float64)) / scale
+    return (float(np.mean(scaled > largest)),
+            float(np.mean((scaled > 0) & (scaled <= tiny / 2))))
 
 
 def _state(model):
@@ -693,11 +694,13 @@ def test_the_probe_counts_the_gradients_inside_a_multi_head_attention():
     unquantized = _counted_shares(value_gradient(output_gradient), gradient_scales["attention/value"])
     assert max(abs(a - b) for a, b in zip(unquantized, expected["attention/value"])) > 8 / y.size
     _assert_unchanged(model, before)
-    # Their inputs are in no graph: not measured, and compare says why.
-    assert figures["attention/value"]["inputs"]["saturated"] is None
-    with pytest.raises(ValueError, match=r"inside another layer .*Received: such float8 layers "
-                       r"\['attention/attention_output', 'attention/value'\]"):
-        float8.compare(model, x)
+    # Their inputs, read in the probe's copy too: `x` for the value
+    # projection (input scale 1), the attention's output for the output
+    # projection: zeros (the value kernel is zero), none flushed.
+    value_inputs = figures["attention/value"]["inputs"]
+    assert (value_inputs["saturated"], value_inputs["flushed"]) == _counted_shares(
+        x, 1.0, float8.E4M3_MAX, float8.E4M3_TINY)
+    assert figures["attention/attention_output"]["inputs"]["flushed"] == 0.0
 
 
 def _quarter(x):
@@ -777,13 +780,15 @@ def test_the_probe_measures_every_float8_layer_of_a_transformer_block():
         "attention/attention_output": 1.0, "ff_up": 0.0, "ff_down": 1.0}
     assert {tensors["outputs_grad"]["saturated"] for tensors in figures.values()} == {0.0}
     _assert_unchanged(model, before)
-    # The inputs of the layers in the model's graph are measured beside the
-    # projections, whose inputs no graph holds: `embed`'s are `x` (scale 1).
-    inputs = {label: tensors["inputs"] for label, tensors in figures.items()}
-    assert (inputs["embed"]["saturated"], inputs["embed"]["flushed"]) == (
-        0.0, float(np.mean(np.abs(x) <= float8.E4M3_TINY / 2)))
-    assert inputs["ff_up"]["saturated"] is not None and inputs["ff_down"]["flushed"] is not None
-    assert {inputs[label]["saturated"] for label in figures if label.startswith("attention/")} == {None}
+    # Every float8 layer's inputs are measured, the projections' too: `embed`'s
+    # are `x` in bfloat16 (scale 1), and the query, key and value projections
+    # (scale 1 each) share theirs.
+    inputs = {label: (tensors["inputs"]["saturated"], tensors["inputs"]["flushed"])
+              for label, tensors in figures.items()}
+    assert inputs["embed"] == _counted_shares(
+        x.astype(ml_dtypes.bfloat16), 1.0, float8.E4M3_MAX, float8.E4M3_TINY)
+    assert inputs["attention/query"] == inputs["attention/key"] == inputs["attention/value"]
+    assert None not in {share for shares in inputs.values() for share in shares}
 
 
 def _delayed_scales(layer, x):

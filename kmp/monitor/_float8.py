@@ -1,9 +1,9 @@
 """`kmp.float8.Float8Monitor`: what float8 does to each float8 layer, every epoch.
 
 It reads `kmp.float8.stats` (`kmp/precision/_float8_measure.py`) at the end
-of each epoch, the output gradients through a probe step it keeps
-(`kmp/precision/_float8_probe.py`), and keeps, logs, writes, says and plots
-what it read.
+of each epoch, the inputs and output gradients through a probe it keeps
+for the fit (a tapped copy of the model, `kmp/precision/_float8_probe.py`),
+and keeps, logs, writes, says and plots what it read.
 """
 
 import os
@@ -14,9 +14,9 @@ import numpy as np
 from kmp.monitor._arguments import check_path
 from kmp.monitor._plot import matplotlib_figure
 from kmp.monitor._plot import save_figure
-from kmp.precision import _float8_probe
 from kmp.precision._float8_formats import TENSORS
 from kmp.precision._float8_measure import measure
+from kmp.precision._float8_measure import probe_for
 
 # Float8Monitor reports a tensor whose amax is more than this many times its
 # scale's range: at least its top binade was clipped.
@@ -39,9 +39,10 @@ class Float8Monitor(keras.callbacks.Callback):
     `outputs_grad`): the amax, the scale, and the shares of values
     saturated at the format's maximum and flushed to zero. Nothing is added
     to the train step: the amax histories and scales are Keras' own
-    variables, and the shares are measured on `x` (the inputs) and on
-    `(x, y)` (the output gradients, by a probe step of a copy of the model:
-    see `kmp.float8.stats`). Then:
+    variables, and the shares are measured in a copy of the model, on `x`
+    (the inputs, by a forward pass) and on `(x, y)` (the output gradients,
+    by a probe step), for float8 layers at any depth: see
+    `kmp.float8.stats`. Then:
 
     ```
     at the end of each epoch:
@@ -139,9 +140,7 @@ class Float8Monitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.history = []
         # One probe per fit: its copy of the model is made at the first epoch's end.
-        self._probe = (
-            _float8_probe.OutputGradientProbe(self.model) if self.y is not None else None
-        )
+        self._probe = probe_for(self.model, self.x, self.y)
         if self.csv_path is not None:
             with open(self.csv_path, "w", encoding="utf-8") as file:
                 file.write(",".join(self.CSV_COLUMNS) + "\n")

@@ -1,16 +1,18 @@
 """`kmp.float8`'s measurements: what float8 does to each float8 layer.
 
 `stats` (each quantized tensor's amax, scale and the shares saturated or
-flushed to zero; the output gradient's through the probe step of
-`_float8_probe.py`) and `compare` (each float8 layer's output against its
-16-bit and float32 output), re-exported by `kmp/float8.py`;
-`Float8Monitor` (`kmp/monitor/_float8.py`) and `kmp.diagnose` read them.
+flushed to zero) and `compare` (each float8 layer's output against its
+16-bit and float32 output), re-exported by `kmp/float8.py`; what a float8
+layer receives and returns, and its output gradient, are read at any depth
+in the tapped copy of `_float8_probe.py`. `Float8Monitor`
+(`kmp/monitor/_float8.py`) and `kmp.diagnose` read them.
 """
 
 import keras
 import numpy as np
 from keras import ops
 
+from kmp import _keras_internals
 from kmp.precision import _float8_probe
 from kmp.precision import _keep_float32
 from kmp.precision._float8_formats import FORMAT_LIMITS
@@ -31,29 +33,26 @@ def _quantized_shares(values, scale, fmt):
     return saturated, flushed
 
 
-def _layer_inputs(model, layers, x):
-    """The values each of `layers` received from `model` on `x`; `None` for
-    every layer without `x`, and for a layer whose inputs the model's graph
-    does not hold: in a model without a graph, a float8 layer inside
-    another layer (called by that layer's own `call`), a layer called more
-    than once."""
-    if x is None:
-        return [None] * len(layers)
-    tensors = {}
-    for index, layer in enumerate(layers):
-        try:
-            # Raises unless the layer's one input is reachable from the model's.
-            keras.Model(model.inputs, layer.input)
-        except (AttributeError, ValueError):
-            continue
-        tensors[index] = layer.input
-    if not tensors:
-        return [None] * len(layers)
-    values = keras.Model(model.inputs, list(tensors.values())).predict(x, verbose=0)
-    if not isinstance(values, (list, tuple)):
-        values = [values]
-    found = dict(zip(tensors, values))
-    return [found.get(index) for index in range(len(layers))]
+def copyable(model):
+    """Whether `Float8Probe` can copy `model`: a functional or Sequential model."""
+    return isinstance(model, (_keras_internals.Functional, keras.Sequential))
+
+
+def probe_for(model, x, y, loss=None):
+    """The `Float8Probe` that measures `stats(model, x, y)`: `None` without
+    `x`, and without `y` for a model it cannot copy (its layers' inputs are
+    then not measured, as before the probe read them)."""
+    if x is None or (y is None and not copyable(model)):
+        return None
+    return _float8_probe.Float8Probe(model, loss)
+
+
+def _inputs_of(calls):
+    """The inputs of all of a layer's calls, flattened into one array;
+    `None` for a layer not called."""
+    if not calls:
+        return None
+    return np.concatenate([np.ravel(inputs) for inputs, _ in calls])
 
 
 def stats(model, x=None, y=None, loss=None):
@@ -77,20 +76,20 @@ def stats(model, x=None, y=None, loss=None):
 
     - `kernel`: always, on the kernel itself.
     - `inputs`: when `x` is given to a functional or Sequential model, on
-      the layer's inputs from `x`, read from the model's graph: not for a
-      float8 layer inside another layer (a `MultiHeadAttention`'s
-      projections), whose inputs the graph does not hold.
+      what the layer's matmul receives from `x` (in its compute dtype), all
+      its calls together: read in a forward pass of a copy of the model
+      (the model itself is not changed) whose float8 layers, at any depth,
+      keep their inputs, so the layers inside another layer (a
+      `MultiHeadAttention`'s projections, the Dense layers of a custom
+      layer) are measured as the others are.
     - `outputs_grad`: when `x` and `y` are given to a compiled (or given
       `loss`) functional or Sequential model, by a probe training step on
-      `(x, y)`: one step of a copy of the model (the model itself is not
-      changed) whose loss is multiplied by the current loss scale, as the
-      scaled step's is, and which counts the gradient each float8 layer's
-      matmul output receives against its `outputs_grad_scale`. The loss
-      averages over the batch, so give a batch of the training batch size:
-      a larger one has smaller gradients. Float8 layers inside another
-      layer (a `MultiHeadAttention`'s projections, the Dense layers of a
-      custom layer) are measured too: the probe taps every float8 layer
-      of its copy, at any depth.
+      `(x, y)`: one step of the same copy whose loss is multiplied by the
+      current loss scale, as the scaled step's is, and which counts the
+      gradient each float8 layer's matmul output receives against its
+      `outputs_grad_scale`, at any depth. The loss averages over the
+      batch, so give a batch of the training batch size: a larger one has
+      smaller gradients.
 
     `None` where not measured. Without the probe, the output gradient's
     `amax` and `range_used` (from its history) say whether the last step
@@ -110,8 +109,9 @@ def stats(model, x=None, y=None, loss=None):
         (Python floats, or `None` where not measured).
 
     Raises:
-        ValueError: if `y` is given without `x`, or the probe step cannot
-            run (the model has no loss, or cannot be copied).
+        ValueError: if `y` is given without `x`, the model cannot be
+            copied (with `x`, for a functional or Sequential model; with
+            `y`, for any), or the probe step has no loss.
 
     Example:
 
@@ -128,19 +128,20 @@ def stats(model, x=None, y=None, loss=None):
             "kmp.float8.stats measures the output gradients on a batch `(x, y)`: "
             "`y` needs `x`. Received: x=None and y given"
         )
-    probe = _float8_probe.OutputGradientProbe(model, loss) if y is not None else None
-    return measure(model, x, y, probe)
+    return measure(model, x, y, probe_for(model, x, y, loss))
 
 
 def measure(model, x, y, probe):
-    """`stats(model, x, y)`, the output gradients measured by `probe` (an
-    `OutputGradientProbe` of `model`, kept by a caller that measures
+    """`stats(model, x, y)`, the inputs and output gradients measured by
+    `probe` (`probe_for(model, x, y)`, kept by a caller that measures
     again), or not measured when `probe` is `None`."""
     layers = float8_layers(model)
-    inputs = _layer_inputs(model, layers, x) if layers else []
-    gradients = probe.measure(x, y) if probe is not None and layers else {}
+    calls = probe.layer_calls(x) if probe is not None and layers else {}
+    gradients = (
+        probe.output_gradients(x, y) if probe is not None and y is not None and layers else {}
+    )
     report = {}
-    for layer, layer_inputs in zip(layers, inputs):
+    for layer in layers:
         label = _keep_float32._layer_label(layer)
         tensors = {}
         for name, fmt, history_attribute, scale_attribute in TENSORS:
@@ -151,7 +152,10 @@ def measure(model, x, y, probe):
             if name == "outputs_grad":
                 saturated, flushed = gradients.get(label, (None, None))
             else:
-                values = layer_inputs if name == "inputs" else ops.convert_to_numpy(layer.kernel)
+                values = (
+                    _inputs_of(calls.get(label)) if name == "inputs"
+                    else ops.convert_to_numpy(layer.kernel)
+                )
                 saturated, flushed = (
                     _quantized_shares(values, scale, fmt) if values is not None else (None, None)
                 )
@@ -185,10 +189,15 @@ def _unquantized_output(layer, inputs, dtype):
 def compare(model, x, tolerance=0.1):
     """How far each float8 layer's output is from its 16-bit and float32 output.
 
-    For each float8 layer of a functional model, on the inputs it receives
-    from `x`: its output as trained (float8, with the scales it has now), the
-    same layer computed without float8 in its policy's compute dtype, and in
-    float32. The errors are relative to the float32 output:
+    For each float8 layer of a functional or Sequential model, at any depth
+    (a `MultiHeadAttention`'s projections, the Dense layers of a custom
+    layer included), on the inputs its matmul receives from `x` (in its
+    compute dtype): its output as trained (float8, with the scales it has
+    now), the same layer computed without float8 in its policy's compute
+    dtype, and in float32. The inputs and float8 outputs are read in a
+    forward pass of a copy of the model whose float8 layers keep them (the
+    model itself is not changed). The errors are relative to the float32
+    output, over all the layer's calls together:
 
     ```
     error(y) = ||y - y_float32|| / ||y_float32||     (Frobenius norms)
@@ -203,20 +212,19 @@ def compare(model, x, tolerance=0.1):
     exclude=[name])`.
 
     Args:
-        model: A functional `keras.Model` with float8 layers.
+        model: A functional or Sequential `keras.Model` with float8 layers.
         x: A batch of the model's inputs.
         tolerance: Float > 0. The float8 error above which a layer is
             flagged. Defaults to `0.1`.
 
     Returns:
-        A list of dicts, one per float8 layer: `layer`, `float8_error`,
-        `sixteen_bit_error`, `flagged`.
+        A list of dicts, one per float8 layer called on `x`: `layer`,
+        `float8_error`, `sixteen_bit_error`, `flagged`.
 
     Raises:
-        ValueError: if `tolerance` is not a positive number, or `model` has
-            no graph to read its layers' inputs from (a subclassed model),
-            or a float8 layer's inputs are not in it (one inside another
-            layer, or called more than once).
+        ValueError: if `tolerance` is not a positive number, or `model` is
+            not a functional or Sequential model, or cannot be copied (a
+            layer that `from_config(get_config())` does not make again).
 
     Example:
 
@@ -233,39 +241,39 @@ def compare(model, x, tolerance=0.1):
         raise ValueError(
             f"`tolerance` must be a positive number. Received: tolerance={tolerance!r}"
         )
-    layers = float8_layers(model)
-    if not layers:
+    if not float8_layers(model):
         return []
-    inputs = _layer_inputs(model, layers, x)
-    if getattr(model, "inputs", None) is None:
+    if not copyable(model):
         raise ValueError(
-            "kmp.float8.compare reads each float8 layer's inputs from the model's "
-            f"graph, and {model.name!r} has none (a subclassed model). Received: "
-            f"model of type {type(model).__name__}"
+            "kmp.float8.compare reads each float8 layer's inputs in a copy of "
+            f"the model, and {model.name!r} is not a functional or Sequential "
+            "model, which `keras.models.clone_model` copies. Received: model of "
+            f"type {type(model).__name__}"
         )
-    unread = [_keep_float32._layer_label(layer)
-              for layer, value in zip(layers, inputs) if value is None]
-    if unread:
-        raise ValueError(
-            "kmp.float8.compare reads each float8 layer's inputs from the model's "
-            "graph, which does not hold them for a float8 layer inside another "
-            "layer (a MultiHeadAttention's projections) or one called more than "
-            "once; `kmp.float8.stats(model, x, y)` measures their output "
-            f"gradients. Received: such float8 layers {unread}"
-        )
+    return compare_calls(model, _float8_probe.Float8Probe(model).layer_calls(x), tolerance)
+
+
+def compare_calls(model, calls, tolerance=0.1):
+    """`compare`'s rows from `calls`, `Float8Probe(model).layer_calls(x)`."""
     rows = []
-    for layer, layer_inputs in zip(layers, inputs):
-        reference = _unquantized_output(layer, layer_inputs, "float32")
-        sixteen_bit = _unquantized_output(layer, layer_inputs, layer.compute_dtype)
-        float8 = ops.convert_to_numpy(
-            ops.cast(layer(layer_inputs, training=False), "float32")
-        ).astype(np.float64)
-        norm = max(float(np.linalg.norm(reference)), np.finfo(np.float64).tiny)
-        float8_error = float(np.linalg.norm(float8 - reference)) / norm
+    for layer in float8_layers(model):
+        label = _keep_float32._layer_label(layer)
+        if not calls.get(label):
+            continue
+        # Squared Frobenius norms, summed over the layer's calls.
+        reference_norm = float8_norm = sixteen_bit_norm = 0.0
+        for inputs, float8 in calls[label]:
+            reference = _unquantized_output(layer, inputs, "float32")
+            sixteen_bit = _unquantized_output(layer, inputs, layer.compute_dtype)
+            reference_norm += float(np.sum(np.square(reference)))
+            float8_norm += float(np.sum(np.square(float8.astype(np.float64) - reference)))
+            sixteen_bit_norm += float(np.sum(np.square(sixteen_bit - reference)))
+        norm = max(np.sqrt(reference_norm), np.finfo(np.float64).tiny)
+        float8_error = float(np.sqrt(float8_norm) / norm)
         rows.append({
-            "layer": _keep_float32._layer_label(layer),
+            "layer": label,
             "float8_error": float8_error,
-            "sixteen_bit_error": float(np.linalg.norm(sixteen_bit - reference)) / norm,
+            "sixteen_bit_error": float(np.sqrt(sixteen_bit_norm) / norm),
             "flagged": float8_error > tolerance,
         })
     return rows

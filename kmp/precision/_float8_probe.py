@@ -1,10 +1,12 @@
-"""The output gradients float8 quantizes to e5m2, measured by a probe step.
+"""A tapped copy of the model: each float8 layer's calls and output gradient.
 
-A float8 layer quantizes its output gradient inside the train step's
-backward pass; outside it, only the gradient's absolute maximum is kept (the
-newest entry of `outputs_grad_amax_history`). To count the values that
-saturate or flush to zero, `OutputGradientProbe` runs one training step of
-a copy of the model, backend-neutral, through Keras' own `train_on_batch`:
+Two things a float8 layer does are out of the model's reach: the output
+gradient it quantizes to e5m2 exists only inside the train step's backward
+pass (outside it, only its absolute maximum is kept, the newest entry of
+`outputs_grad_amax_history`), and a float8 layer inside another layer (a
+`MultiHeadAttention`'s projections) receives inputs that no graph holds.
+`Float8Probe` makes a copy of the model whose float8 layers, at any depth,
+are tapped, and reads both there, backend-neutral:
 
 ```
 copy = the model, each layer made again from its config (the float8
@@ -15,15 +17,23 @@ for each float8 layer L of the copy, at any depth:
     (the tap passes values through; its gradient, the gradient L's
     matmul output receives, is what L quantizes to e5m2: bias-add does
     not change it)
-copy's weights <- the model's (float8 scales and histories included)
-loss = the model's loss * the current loss scale   (as the scaled step's)
-one step of SGD(learning_rate=0) on (x, y):
-    each tap's gradient counts, against its layer's current
-    `outputs_grad_scale`:
-        saturated: |g| / scale > e5m2's maximum (57344)
-        flushed:   0 < |g| / scale <= half e5m2's smallest subnormal
-    and writes the counts into a variable of the probe's
-    (`overwrite_with_gradient`, as Keras' float8 histories are written)
+before each reading: copy's weights <- the model's (float8 scales and
+    histories included)
+
+layer_calls(x): one forward pass of the copy on x (training=False),
+    compiled by Keras' own `predict_on_batch`, whose outputs are each L's
+    inputs, as its matmul receives them (in its compute dtype), and its
+    output, per call
+output_gradients(x, y):
+    loss = the model's loss * the current loss scale   (as the scaled step's)
+    one step of SGD(learning_rate=0) on (x, y), through Keras' own
+    `train_on_batch`:
+        each tap's gradient counts, against its layer's current
+        `outputs_grad_scale`:
+            saturated: |g| / scale > e5m2's maximum (57344)
+            flushed:   0 < |g| / scale <= half e5m2's smallest subnormal
+        and writes the counts into a variable of the probe's
+        (`overwrite_with_gradient`, as Keras' float8 histories are written)
 ```
 The model itself, its optimizer and its float8 state are not touched.
 
@@ -35,13 +45,15 @@ of the probe's can stand between the matmul and the activation; so the tap
 goes into the float8 layer itself, for top-level and nested layers alike:
 on the copy's instance, never on the model's nor on a Keras class, the
 probe sets `activation` to `None` and `quantized_call` to a function that
-calls the class's `quantized_call`, then the tap, then the activation. The
-counts live in a layer attached to the copy outside its graph (a functional
-model takes one so), which makes them variables of the copy's step.
+calls the class's `quantized_call`, then the tap, then the activation; in
+`layer_calls`' forward pass it keeps the call's inputs and output instead
+of tapping, and that pass returns them. The counts live in a layer
+attached to the copy outside its graph (a functional model takes one so),
+which makes them variables of the copy's step.
 
-A float8 layer called more than once counts the gradients of all its
-calls together; one the copy's step does not call (a branch the model
-skips on `x`) receives no gradient and reports `None`.
+A float8 layer called more than once has all its calls read, and counts
+the gradients of all of them together; one the copy does not call on `x`
+(a branch the model skips) has no calls and receives no gradient.
 """
 
 import keras
@@ -104,32 +116,79 @@ def _count_output_gradient(outputs, scale, counts):
     return tap(outputs, counts)
 
 
-def _tap(layer, counts):
+class _CallRecord:
+    """What one tapped float8 layer of the probe's copy receives and returns
+    in `_LayerCalls`' forward pass: `calls` holds `(inputs, outputs)` per
+    call while `active`; nothing is kept in the training step."""
+
+    def __init__(self):
+        self.active = False
+        self.calls = []
+
+
+class _LayerCalls(keras.Model):
+    """The probe's copy, returning what its tapped float8 layers receive and
+    return: `{layer path: [(inputs, outputs), ...]}`, one pair per call.
+
+    Its `call` turns the records on, runs the copy, and returns what they
+    took: `predict_on_batch` compiles it (`tf.function`, `jax.jit`) into one
+    program, made once per input shape, whose outputs are those values. An
+    eager forward pass would read them too, op by op (seconds of JAX's
+    per-op compiles on a CPU for a Transformer block).
+    """
+
+    def __init__(self, model_copy, records, **kwargs):
+        super().__init__(**kwargs)
+        self.model_copy = model_copy
+        self.records = records
+        # Its layers are the copy's, built: `predict_on_batch` would
+        # otherwise build it by an eager call.
+        self.built = True
+
+    def call(self, x, training=False):
+        for record in self.records.values():
+            record.calls = []
+            record.active = True
+        try:
+            self.model_copy(x, training=False)
+        finally:
+            for record in self.records.values():
+                record.active = False
+        return {label: list(record.calls) for label, record in self.records.items()}
+
+
+def _tap(layer, counts, record):
     """Makes `layer`, a float8 layer of the probe's copy (never of the
-    user's model), count its output gradient into the variable `counts`:
-    its float8 matmul and bias, the tap, then its activation (see the
-    module's docstring)."""
+    user's model), count its output gradient into the variable `counts`
+    and keep its calls in `record`: its float8 matmul and bias, the tap,
+    then its activation (see the module's docstring)."""
     float8_call = layer.quantized_call
     activation = layer.activation
     layer.activation = None
 
     def tapped_call(*args, **kwargs):
         outputs = float8_call(*args, **kwargs)
-        scale = ops.stop_gradient(ops.convert_to_tensor(layer.outputs_grad_scale))
-        outputs = _count_output_gradient(outputs, scale, ops.convert_to_tensor(counts))
-        return outputs if activation is None else activation(outputs)
+        if not record.active:  # the probe step: no gradient in `layer_calls`
+            scale = ops.stop_gradient(ops.convert_to_tensor(layer.outputs_grad_scale))
+            outputs = _count_output_gradient(outputs, scale, ops.convert_to_tensor(counts))
+        outputs = outputs if activation is None else activation(outputs)
+        if record.active:
+            inputs = args[0] if args else kwargs["inputs"]
+            record.calls.append((ops.cast(inputs, "float32"), ops.cast(outputs, "float32")))
+        return outputs
 
     layer.quantized_call = tapped_call
 
 
-class OutputGradientProbe:
-    """Measures each float8 layer's e5m2 output gradient on a batch (see the
-    module's docstring). The copy of the model is made and compiled at the
-    first `measure`, and reused: each call copies the weights again.
+class Float8Probe:
+    """Reads each float8 layer's calls on a batch, and measures its e5m2
+    output gradient (see the module's docstring). The copy of the model is
+    made at the first reading, and reused: each reading copies the weights
+    again.
 
     Args:
-        model: A functional or Sequential `keras.Model`, compiled with a loss
-            (or given `loss`).
+        model: A functional or Sequential `keras.Model`; for
+            `output_gradients`, compiled with a loss (or given `loss`).
         loss: Optional loss, as `compile` takes it. Defaults to `None`: the
             model's compiled loss.
     """
@@ -139,19 +198,16 @@ class OutputGradientProbe:
         self.loss = loss
         self._copy = None
         # Made with the copy: {float8 layer's path: its counts variable},
-        # and (layer of the model, its copy) for its layers at any depth.
+        # {float8 layer's path: its `_CallRecord`}, (layer of the model,
+        # its copy) for its layers at any depth, and the copy returning its
+        # float8 layers' calls.
         self._counts = {}
+        self._records = {}
         self._pairs = []
+        self._layer_calls = None
         self._compiled_scale = None
 
     def _build(self):
-        loss = self.loss if self.loss is not None else getattr(self.model, "loss", None)
-        if loss is None:
-            raise ValueError(
-                "Measuring the float8 output gradients needs a loss: compile "
-                f"{self.model.name!r} with one, or pass `loss`. Received: loss=None"
-            )
-
         def clone_layer(layer):
             if isinstance(layer, keras.Model):
                 return keras.models.clone_model(layer, clone_function=clone_layer)
@@ -161,10 +217,11 @@ class OutputGradientProbe:
             copy = keras.models.clone_model(self.model, clone_function=clone_layer)
         except Exception as error:
             raise ValueError(
-                "Measuring the float8 output gradients copies the model, and "
-                f"{self.model.name!r} cannot be copied ({type(error).__name__}: "
-                f"{error}). A functional or Sequential model can. Received: model "
-                f"of type {type(self.model).__name__}"
+                "Measuring float8 layers' inputs and output gradients copies the "
+                f"model, and {self.model.name!r} cannot be copied "
+                f"({type(error).__name__}: {error}). A functional or Sequential "
+                "model whose layers `from_config(get_config())` makes again can. "
+                f"Received: model of type {type(self.model).__name__}"
             ) from None
         self._pairs = [
             pair
@@ -183,33 +240,55 @@ class OutputGradientProbe:
             tapped.append((layer, copied))
         counts = _TapCounts(len(tapped), name="float8_probe_counts")
         for (layer, copied), row in zip(tapped, counts.rows):
-            _tap(copied, row)
-            self._counts[_keep_float32._layer_label(layer)] = row
+            label = _keep_float32._layer_label(layer)
+            self._counts[label] = row
+            self._records[label] = _CallRecord()
+            _tap(copied, row, self._records[label])
         self._copy = keras.Model(copy.inputs, copy.outputs)
         # Outside the copy's graph, and still one of its layers: its
         # variables are the step's, which writes the counts into them.
         self._copy.float8_probe_counts = counts
-        self._losses = keras.tree.map_structure(
-            lambda item: keras.losses.get(item) if isinstance(item, str) else item, loss
-        )
+        self._layer_calls = _LayerCalls(copy, self._records, name="float8_probe_calls")
 
-    def measure(self, x, y):
-        """`{layer path: (saturated, flushed)}`: the shares of each float8
-        layer's output gradient on `(x, y)` that its e5m2 quantization, with
-        its current `outputs_grad_scale`, clips or rounds to zero."""
+    def _copy_weights(self):
         if self._copy is None:
             self._build()
+        for layer, copied in self._pairs:
+            _copy_variables(layer, copied)
+
+    def layer_calls(self, x):
+        """`{layer path: [(inputs, outputs), ...]}`: what each float8 layer
+        receives (in its compute dtype, as its matmul does) and returns on
+        the batch `x`, one pair of float32 NumPy arrays per call, in call
+        order; `[]` for a layer not called on `x`."""
+        self._copy_weights()
+        calls = self._layer_calls.predict_on_batch(x)
+        return {label: [tuple(pair) for pair in pairs] for label, pairs in calls.items()}
+
+    def output_gradients(self, x, y):
+        """`{layer path: (saturated, flushed)}`: the shares of each float8
+        layer's output gradient on `(x, y)` that its e5m2 quantization, with
+        its current `outputs_grad_scale`, clips or rounds to zero;
+        `(None, None)` for a layer the step does not reach."""
+        loss = self.loss if self.loss is not None else getattr(self.model, "loss", None)
+        if loss is None:
+            raise ValueError(
+                "Measuring the float8 output gradients needs a loss: compile "
+                f"{self.model.name!r} with one, or pass `loss`. Received: loss=None"
+            )
+        self._copy_weights()
         scale = current_loss_scale(self.model) or 1.0
         if scale != self._compiled_scale:
             # The scale is a constant of the traced step: a new scale, a new trace.
+            losses = keras.tree.map_structure(
+                lambda item: keras.losses.get(item) if isinstance(item, str) else item, loss
+            )
             self._copy.compile(
                 optimizer=keras.optimizers.SGD(0.0),
-                loss=keras.tree.map_structure(lambda fn: _scaled(fn, scale), self._losses),
+                loss=keras.tree.map_structure(lambda fn: _scaled(fn, scale), losses),
                 auto_scale_loss=False,
             )
             self._compiled_scale = scale
-        for layer, copied in self._pairs:
-            _copy_variables(layer, copied)
         for row in self._counts.values():
             # A layer the step does not reach keeps no counts of an earlier call.
             row.assign(ops.zeros((3,)))

@@ -197,9 +197,14 @@ SLOW = (
     # Three float8 fits with a backup written every epoch (18 s on TensorFlow, 24 s on JAX).
     "test_float8.py::test_a_float8_run_resumes_from_backup_and_restore_as_if_uninterrupted",
     # The output-gradient probe of a float8 Transformer block: one probe step and
-    # one predict, each a compile (2 s on TensorFlow, 13 s on JAX, 2026-11-28);
+    # one forward pass, each a compile (2.5 s on TensorFlow, 8 s on JAX, 2026-11-28);
     # the probe inside a MultiHeadAttention stays in the fast tier (1 s, 4 s).
     "test_float8.py::test_the_probe_measures_every_float8_layer_of_a_transformer_block",
+    # Two fits of a float8 attention block (with and without the flagged
+    # projection), each compared and measured: a compile each (4 s on
+    # TensorFlow, 13 s on JAX, 2026-11-28); reading nested layers' inputs
+    # stays in the fast tier (1 s and 3 s).
+    "test_float8.py::test_compare_flags_the_attention_projection_an_input_outlier_flushes_and_exclude_fixes_it",
     # Keras' own tests (tests/peers/): the parametrized fit loops, each case a
     # fresh model and trace (test_fit_flow and test_on_batch_methods keep
     # fit's and train_on_batch's three modes in the fast tier), and

@@ -831,6 +831,141 @@ def test_compare_flags_a_layer_whose_kernel_outlier_flushes_the_rest(outlier):
         float8.compare(model, x, tolerance=0)
 
 
+def _e4m3(values, scale):
+    """`values` quantized to e4m3 with `scale` and back, as Keras does
+    (divide, clip to e4m3's maximum, round to nearest even, multiply), in
+    NumPy and float64."""
+    scaled = np.clip(np.asarray(values, np.float64) / scale, -float8.E4M3_MAX, float8.E4M3_MAX)
+    return scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+
+
+def test_stats_and_compare_read_float8_layers_inside_other_layers_and_called_twice():
+    """Under float32, `x` (spread over 40 binades, 2**-30 .. 2**10) reaches
+    four float8 layers whose inputs no graph holds: a MultiHeadAttention's
+    query and value projections, `mid` inside a custom layer, and `shared`,
+    called on `x` and on `2 x`. Their input scales, 2**-10, 4, 1 and 1/4,
+    clip and flush other shares of `x` (`query`: 28% and 27%); stats' input
+    shares are those NumPy counts (on `x` and `2 x` together for `shared`),
+    and compare's float8 errors those of e4m3's rounding of inputs and
+    kernel done in NumPy (over both calls for `shared`): 99.9% for `query`
+    (its large inputs clipped), 3.4% for `value` (no input clipped: e4m3's
+    rounding), 39% and 88% for the others. The 16-bit error is 0 (float32
+    is the policy). The model is left as it was."""
+    inputs = keras.Input((4, 32))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=16, name="attention")
+    block = _Block(name="block")
+    shared = keras.layers.Dense(32, name="shared")
+    twice = keras.layers.Rescaling(2.0, name="twice")(inputs)
+    model = keras.Model(inputs, keras.layers.Add()([
+        attention(inputs, inputs), block(inputs), shared(inputs), shared(twice)]))
+    rng = np.random.default_rng(2)
+    block.mid.kernel.assign(rng.normal(size=(32, 32)).astype("float32"))
+    layers = {"attention/query": (attention.query_dense, 2.0**-10),
+              "attention/value": (attention.value_dense, 4.0),
+              "block/mid": (block.mid, 1.0), "shared": (shared, 0.25)}
+    for layer, input_scale in layers.values():
+        layer.quantize("float8")
+        layer.inputs_scale.assign(input_scale)
+    x = (2.0 ** rng.uniform(-30, 10, size=(8, 4, 32))
+         * rng.choice([-1, 1], (8, 4, 32))).astype("float32")
+    received = {"attention/query": [x], "attention/value": [x], "block/mid": [x],
+                "shared": [x, 2 * x]}
+    before = _state(model)
+
+    figures = float8.stats(model, x)
+    rows = {row["layer"]: row for row in float8.compare(model, x)}
+
+    assert set(figures) == set(rows) == set(layers)
+    for label, (layer, input_scale) in layers.items():
+        values = np.concatenate([np.ravel(value) for value in received[label]])
+        shares = figures[label]["inputs"]
+        assert (shares["saturated"], shares["flushed"]) == _counted_shares(
+            values, input_scale, float8.E4M3_MAX, float8.E4M3_TINY), label
+        kernel = ops.convert_to_numpy(layer.kernel).astype(np.float64)
+        bias = 0.0 if layer.bias is None else ops.convert_to_numpy(layer.bias).astype(np.float64)
+        matmul = (
+            (lambda a, b: np.einsum(layer.equation, a, b))
+            if isinstance(layer, keras.layers.EinsumDense) else np.matmul
+        )
+        activation = 0.25 if label == "block/mid" else 1.0
+        error = reference = 0.0
+        for value in received[label]:
+            exact = activation * (matmul(value.astype(np.float64), kernel) + bias)
+            quantized = activation * (matmul(_e4m3(value, input_scale), _e4m3(kernel, 1.0)) + bias)
+            error += np.sum(np.square(quantized - exact))
+            reference += np.sum(np.square(exact))
+        assert rows[label]["float8_error"] == pytest.approx(np.sqrt(error / reference), rel=1e-4)
+        assert rows[label]["sixteen_bit_error"] == 0.0, label
+    errors = {label: row["float8_error"] for label, row in rows.items()}
+    assert errors["attention/query"] > 0.99 and 0.3 < errors["block/mid"] < 0.5, errors
+    assert errors["shared"] > 0.8 and 0.02 < errors["attention/value"] < 0.05, errors
+    assert [label for label, row in rows.items() if not row["flagged"]] == ["attention/value"]
+    query = figures["attention/query"]["inputs"]
+    assert 0.25 < query["saturated"] < 0.32 and 0.24 < query["flushed"] < 0.3, query
+    _assert_unchanged(model, before)
+
+
+def _outlier_attention_block(exclude=None):
+    """`_tiny_transformer`'s embedding, attention and first norm under
+    mixed_bfloat16, float8 but for `exclude`, seeded. The value projection's
+    bias is 1e6 on the first feature of the first head, and the output
+    projection's kernel row for that feature is zero: the output
+    projection's inputs carry an outlier feature that changes nothing."""
+    keras.utils.set_random_seed(0)
+    kmp.set_policy("mixed_bfloat16")
+    inputs = keras.Input((8, 16))
+    h = keras.layers.Dense(32, name="embed")(inputs)
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=16, name="attention")
+    h = keras.layers.LayerNormalization(name="norm")(keras.layers.Add()([h, attention(h, h)]))
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = kmp.Model(inputs, keras.layers.Dense(10, name="classes")(h))
+    float8.enable(model, exclude=exclude, skip_small=False)
+    bias = ops.convert_to_numpy(attention.value_dense.bias)
+    bias[0, 0] = 1e6
+    attention.value_dense.bias.assign(bias)
+    kernel = ops.convert_to_numpy(attention.output_dense.kernel)
+    kernel[0, 0, :] = 0.0
+    attention.output_dense.kernel.assign(kernel)
+    model.compile(optimizer=keras.optimizers.SGD(0.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_compare_flags_the_attention_projection_an_input_outlier_flushes_and_exclude_fixes_it():
+    """`_outlier_attention_block`, its scales set by two SGD(0) steps (the
+    weights unchanged): the output projection's input scale is bfloat16's
+    1e6 (999424) over 448, e4m3's smallest step is then 4.4, and every
+    other input (the attention's average of 8 values, below 2.2) flushes
+    to zero: 31 of each token's 32 features. Its float8 output is then 0
+    (the outlier's kernel row is zero, the bias too): an error of exactly
+    1, flagged, against bfloat16's 0.3%. The other float8 layers stay
+    within e4m3's few percent. Left in 16 bits by `exclude` (the model
+    built again), it has no row, and the others' rows do not change."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8, 16)).astype("float32")
+    y = rng.integers(0, 10, size=64)
+    rows, figures = {}, {}
+    for exclude in (None, ("attention/attention_output",)):
+        model = _outlier_attention_block(exclude)
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+        before = _state(model)
+        rows[exclude] = {row["layer"]: row for row in float8.compare(model, x[:32])}
+        figures[exclude] = float8.stats(model, x[:32])
+        _assert_unchanged(model, before)
+
+    kept = rows[None]
+    flagged = kept.pop("attention/attention_output")
+    assert flagged["float8_error"] == 1.0 and flagged["flagged"]
+    assert flagged["sixteen_bit_error"] < 0.01
+    assert set(kept) == {"embed", "attention/query", "attention/key", "attention/value"}
+    assert all(0.0 < row["float8_error"] < 0.1 and not row["flagged"] for row in kept.values())
+    assert rows[("attention/attention_output",)] == kept
+    assert set(figures[("attention/attention_output",)]) == set(kept)
+    # What float8 did to the flagged layer's inputs: all but the outlier flushed.
+    inputs = figures[None]["attention/attention_output"]["inputs"]
+    assert inputs["amax"] == 999424.0 and inputs["flushed"] == 31 / 32
+
+
 def test_monitor_reports_each_epoch_in_history_logs_csv_plot_and_words(tmp_path):
     model, (x, y) = _float8_mlp("mixed_float16"), _data(64)
     printed = []

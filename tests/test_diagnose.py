@@ -421,3 +421,54 @@ def test_float8_layers_that_lose_accuracy_are_named_with_the_fix(outlier):
     as_dict = json.loads(report.to_json())
     assert as_dict["float8_fix"] == report.float8_fix
     assert [row["layer"] for row in as_dict["float8"]] == ["hidden", "mid"]
+
+
+def test_a_float8_attention_projection_that_loses_accuracy_is_named_with_the_fix():
+    """A MultiHeadAttention (2 heads of 16, on 8 tokens of 32) whose four
+    projections run float8 under mixed_bfloat16; the value projection's
+    bias is 1e6 on one feature, whose output-projection kernel row is zero.
+    Two SGD(0) steps set the scales: the output projection's input scale
+    is then 1e6 / 448, its other inputs below 2.2 flush to zero (nearly
+    all), and its float8 output is more than 99% off. diagnose reads the
+    projections' inputs inside the layer (no graph holds them), names that
+    one with the call that leaves it in 16 bits, agrees with
+    kmp.float8.compare, and leaves the model as it was."""
+    kmp.set_policy("mixed_bfloat16")
+    inputs = keras.Input((8, 32))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=16, name="attention")
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(attention(inputs, inputs))
+    model = kmp.Model(inputs, keras.layers.Dense(16, name="head")(pooled))
+    kmp.float8.enable(model, skip_small=False)
+    value_bias = np.zeros((2, 16), "float32")
+    value_bias[0, 0] = 1e6
+    attention.value_dense.bias.assign(value_bias)
+    output_kernel = ops.convert_to_numpy(attention.output_dense.kernel)
+    output_kernel[0, 0, :] = 0.0
+    attention.output_dense.kernel.assign(output_kernel)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8, 32)).astype("float32")
+    y = rng.integers(0, 16, size=64)
+    model.compile(optimizer=keras.optimizers.SGD(0.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    weights = [ops.convert_to_numpy(weight).copy() for weight in model.weights]
+    own = [dict(vars(layer)) for layer in kmp.float8.float8_layers(model)]
+
+    report = kmp.diagnose(model, (x[:32], y[:32]))
+
+    rows = {row["layer"]: row for row in report.float8}
+    assert rows == {row["layer"]: row for row in kmp.float8.compare(model, x[:32])}
+    projections = ["attention/attention_output", "attention/key", "attention/query",
+                   "attention/value"]
+    assert sorted(rows) == projections
+    assert rows["attention/attention_output"]["float8_error"] > 0.99
+    assert [name for name in projections if rows[name]["flagged"]] == ["attention/attention_output"]
+    assert all(0.0 < rows[name]["float8_error"] < 0.1 for name in projections[1:])
+    assert all(row["sixteen_bit_error"] < 0.01 for row in rows.values())
+    assert report.float8_fix == "kmp.float8.enable(model, exclude=['attention/attention_output'])"
+    assert ("Float8 loses accuracy in attention/attention_output: leave it in 16 bits: build "
+            "the model again and call kmp.float8.enable(model, exclude=["
+            "'attention/attention_output']) before training.") in str(report)
+    for weight, value in zip(model.weights, weights):
+        np.testing.assert_array_equal(ops.convert_to_numpy(weight), value, err_msg=weight.path)
+    assert [dict(vars(layer)) for layer in kmp.float8.float8_layers(model)] == own

@@ -68,8 +68,10 @@ def diagnose(model, data=None, steps=1, loss=None, policy=None, loss_scale=None)
     ```
 
     A model with float8 layers (`kmp.float8`) is measured above in its
-    16-bit policy, float8 aside; then each float8 layer is compared with
-    `kmp.float8.compare` on each batch's inputs (the worst batch kept):
+    16-bit policy, float8 aside; then each float8 layer, at any depth (a
+    `MultiHeadAttention`'s projections included), is compared with
+    `kmp.float8.compare` on what its matmul receives from each batch, read
+    in a copy of the model (the worst batch kept):
 
     ```
     for each float8 layer:

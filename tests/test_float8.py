@@ -1039,6 +1039,46 @@ def test_monitor_reports_each_epoch_in_history_logs_csv_plot_and_words(tmp_path)
         "f8.csv", "f8.png", 0.25)
 
 
+class _Applying(keras.layers.Layer):
+    """A layer `from_config(get_config())` cannot make again: Keras cannot
+    put its function in a config."""
+
+    def __init__(self, function, **kwargs):
+        super().__init__(**kwargs)
+        self.function = function
+
+    def call(self, inputs):
+        return self.function(inputs)
+
+
+def test_input_shares_of_a_model_the_probe_cannot_copy_are_none_with_a_warning():
+    """Only the inputs asked for (`x`, no `y`) of a model whose copy fails:
+    kmp says so and reports them as not measured, and the fit goes on; the
+    output gradients (`y` given) cannot do without the copy and raise."""
+    kmp.set_policy("mixed_bfloat16")
+    inputs = keras.Input((32,), name="x")
+    h = keras.layers.Dense(32, name="up")(inputs)
+    h = _Applying(lambda t: t * 0.5, name="halve")(h)
+    model = kmp.Model(inputs, keras.layers.Dense(16, name="head")(h))
+    float8.enable(model, skip_small=False)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = _data(32)
+    monitor = float8.Float8Monitor(x=x, print_fn=lambda line: None)
+    with pytest.warns(UserWarning, match="cannot be copied") as caught:
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor])
+    # Copied once: the second epoch does not try again, nor warn again.
+    assert len([w for w in caught if "cannot be copied" in str(w.message)]) == 1
+    up = monitor.history[-1][1]["up"]
+    assert up["inputs"]["saturated"] is None and up["inputs"]["flushed"] is None
+    # The kernel's shares need no copy: measured as before.
+    assert up["kernel"]["saturated"] == pytest.approx(float(np.mean(
+        np.abs(np.array(model.get_layer("up").kernel)) > up["kernel"]["scale"] * float8.E4M3_MAX)))
+    with pytest.warns(UserWarning, match="Received: model of type"):
+        assert float8.stats(model, x)["up"]["inputs"]["saturated"] is None
+    with pytest.raises(ValueError, match="cannot be copied"):
+        float8.stats(model, x, y)
+
+
 # --- saved and served ---------------------------------------------------------
 
 

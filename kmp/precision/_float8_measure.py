@@ -136,7 +136,11 @@ def measure(model, x, y, probe):
     `probe` (`probe_for(model, x, y)`, kept by a caller that measures
     again), or not measured when `probe` is `None`."""
     layers = float8_layers(model)
-    calls = probe.layer_calls(x) if probe is not None and layers else {}
+    # Without `y` only the inputs are asked for, which kmp read from the
+    # model's graph before it read them in a copy: a model the probe cannot
+    # copy gets them as not measured, with a warning, rather than an error
+    # (at every epoch's end of a Float8Monitor's fit).
+    calls = probe.layer_calls(x, required=y is not None) if probe is not None and layers else {}
     gradients = (
         probe.output_gradients(x, y) if probe is not None and y is not None and layers else {}
     )

@@ -56,6 +56,8 @@ the gradients of all of them together; one the copy does not call on `x`
 (a branch the model skips) has no calls and receives no gradient.
 """
 
+import warnings
+
 import keras
 from keras import ops
 
@@ -74,6 +76,11 @@ def current_loss_scale(model):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and optimizer.built:
         return float(ops.convert_to_numpy(optimizer.dynamic_scale))
     return None
+
+
+class CopyError(ValueError):
+    """The probe cannot copy the model (a layer that
+    `from_config(get_config())` does not make again, a subclassed model)."""
 
 
 class _TapCounts(keras.layers.Layer):
@@ -206,8 +213,13 @@ class Float8Probe:
         self._pairs = []
         self._layer_calls = None
         self._compiled_scale = None
+        self._copy_error = None
+        self._warned = False
 
     def _build(self):
+        if self._copy_error is not None:
+            raise self._copy_error  # copying failed once: it fails again
+
         def clone_layer(layer):
             if isinstance(layer, keras.Model):
                 return keras.models.clone_model(layer, clone_function=clone_layer)
@@ -216,13 +228,14 @@ class Float8Probe:
         try:
             copy = keras.models.clone_model(self.model, clone_function=clone_layer)
         except Exception as error:
-            raise ValueError(
+            self._copy_error = CopyError(
                 "Measuring float8 layers' inputs and output gradients copies the "
                 f"model, and {self.model.name!r} cannot be copied "
                 f"({type(error).__name__}: {error}). A functional or Sequential "
                 "model whose layers `from_config(get_config())` makes again can. "
                 f"Received: model of type {type(self.model).__name__}"
-            ) from None
+            )
+            raise self._copy_error from None
         self._pairs = [
             pair
             for layer, copied in _layer_pairs(self.model, copy)
@@ -256,12 +269,23 @@ class Float8Probe:
         for layer, copied in self._pairs:
             _copy_variables(layer, copied)
 
-    def layer_calls(self, x):
+    def layer_calls(self, x, required=True):
         """`{layer path: [(inputs, outputs), ...]}`: what each float8 layer
         receives (in its compute dtype, as its matmul does) and returns on
         the batch `x`, one pair of float32 NumPy arrays per call, in call
-        order; `[]` for a layer not called on `x`."""
-        self._copy_weights()
+        order; `[]` for a layer not called on `x`. Where the model cannot
+        be copied, raises `CopyError`, or, unless `required`, warns (once
+        per probe) and returns `{}`."""
+        try:
+            self._copy_weights()
+        except CopyError as error:
+            if required:
+                raise
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"{error} Its float8 layers' input shares are not "
+                              "measured (None).", stacklevel=2)
+            return {}
         calls = self._layer_calls.predict_on_batch(x)
         return {label: [tuple(pair) for pair in pairs] for label, pairs in calls.items()}
 

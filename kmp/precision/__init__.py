@@ -16,6 +16,11 @@ they and `kmp.Model` share:
   float8, and why the others stay in 16 bits (also read by `kmp.summary`).
 - `_float8_measure.py`: what float8 does to each float8 layer's tensors and
   output (`kmp.float8.stats`, `compare`).
+- `_float8_probe.py`: the tapped copy of a model in which those
+  measurements read each float8 layer's inputs, outputs and output
+  gradient, at any depth.
+- `_float8_formats.py`: the float8 formats' limits and the tensors each
+  float8 layer quantizes.
 - `_float8_matmul.py`: the float8 matmul `kmp doctor` times, and which GPUs
   run it natively.
 """

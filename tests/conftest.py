@@ -6,6 +6,7 @@ The suite runs twice: on TensorFlow (the default), and with
 backend-independent tests); `.ci/run` and the README's test command run both.
 """
 
+import gc
 import os
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
@@ -275,6 +276,49 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Garbage is collected after each test, among the objects made since the
+# test before (see _collect_this_tests_garbage).
+_FULL_COLLECTION_EVERY_MB = 1024
+_rss_at_full_collection = [0]
+
+
+def _resident_mb():
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except (OSError, ValueError):  # not Linux: a full collection after every test
+        return None
+
+
+def _collect_this_tests_garbage():
+    """Frees the cycles a test left, while they are young, and looks at
+    nothing older.
+
+    Keras' fit leaves tf.data iterators in reference cycles (a suspended
+    generator's frame). Left to Python's own full collections, they were
+    destroyed all at once, seconds to minutes after their test, and
+    destroying an iterator that old waited, off the CPU, for its tf.data
+    autotuning thread to wake: one such collection took 20 to 60 s (gdb:
+    ~RootDataset::Iterator joining Model::OptimizeLoop; 284 s of one worker's
+    1,400 in a TensorFlow pass). A full collection after every test costs a
+    walk over every object the process holds (about a million): as long as
+    the tests themselves. So: a collection after each test, then
+    `gc.freeze()`, which sets the survivors aside, so that the next test's
+    collection walks only what that test made. What was set aside is walked
+    again, and its cycles freed, once the process has grown by
+    `_FULL_COLLECTION_EVERY_MB` (a module's cached models, test_compat's
+    previous model).
+    """
+    grown = _resident_mb()
+    if grown is None or grown - _rss_at_full_collection[0] > _FULL_COLLECTION_EVERY_MB:
+        gc.unfreeze()
+        gc.collect()
+        _rss_at_full_collection[0] = _resident_mb() or 0
+    else:
+        gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _float32_policy_around_each_test():
     kmp.set_policy("float32")
@@ -283,10 +327,11 @@ def _float32_policy_around_each_test():
     keras.utils.set_random_seed(0)
     yield
     kmp.set_policy("float32")
-    # Without the full garbage collection Keras runs by default: it took as
-    # long as the tests themselves (about half of the fast tier's time), and
-    # Python's own collector frees the same cycles later.
+    # Without the full garbage collection Keras runs by default, which
+    # walks every object the process holds; _collect_this_tests_garbage
+    # frees this test's cycles instead.
     keras.utils.clear_session(free_memory=False)
+    _collect_this_tests_garbage()
 
 
 @pytest.fixture(scope="session")

@@ -307,7 +307,9 @@ def _collect_this_tests_garbage():
     collection walks only what that test made. What was set aside is walked
     again, and its cycles freed, once the process has grown by
     `_FULL_COLLECTION_EVERY_MB` (a module's cached models, test_compat's
-    previous model).
+    previous model). A test that checks that an object made before it began
+    (by a module fixture) is freed must call `gc.unfreeze()` first: a plain
+    `gc.collect()` leaves what was set aside alone.
     """
     grown = _resident_mb()
     if grown is None or grown - _rss_at_full_collection[0] > _FULL_COLLECTION_EVERY_MB:

@@ -248,6 +248,9 @@ _FLOAT32_LOSSES = {}
 def _built(name):
     if name not in _BUILT:
         _BUILT.clear()
+        # The previous model was set aside by conftest's gc.freeze() after
+        # its tests: unfrozen, so that this collection frees it.
+        gc.unfreeze()
         gc.collect()
         keras.utils.set_random_seed(0)
         with kmp.policy_scope("float32"):

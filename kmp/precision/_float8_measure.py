@@ -141,8 +141,10 @@ def measure(model, x, y, probe):
     # copy gets them as not measured, with a warning, rather than an error
     # (at every epoch's end of a Float8Monitor's fit).
     calls = probe.layer_calls(x, required=y is not None) if probe is not None and layers else {}
+    # `layer_calls` copied the weights into the probe's copy: once per reading.
     gradients = (
-        probe.output_gradients(x, y) if probe is not None and y is not None and layers else {}
+        probe.output_gradients(x, y, copy_weights=False)
+        if probe is not None and y is not None and layers else {}
     )
     report = {}
     for layer in layers:

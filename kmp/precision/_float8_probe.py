@@ -289,18 +289,21 @@ class Float8Probe:
         calls = self._layer_calls.predict_on_batch(x)
         return {label: [tuple(pair) for pair in pairs] for label, pairs in calls.items()}
 
-    def output_gradients(self, x, y):
+    def output_gradients(self, x, y, copy_weights=True):
         """`{layer path: (saturated, flushed)}`: the shares of each float8
         layer's output gradient on `(x, y)` that its e5m2 quantization, with
         its current `outputs_grad_scale`, clips or rounds to zero;
-        `(None, None)` for a layer the step does not reach."""
+        `(None, None)` for a layer the step does not reach. `copy_weights`
+        False: the copy holds the model's weights already (`layer_calls`
+        just copied them, and its forward pass writes no variable)."""
         loss = self.loss if self.loss is not None else getattr(self.model, "loss", None)
         if loss is None:
             raise ValueError(
                 "Measuring the float8 output gradients needs a loss: compile "
                 f"{self.model.name!r} with one, or pass `loss`. Received: loss=None"
             )
-        self._copy_weights()
+        if copy_weights:
+            self._copy_weights()
         scale = current_loss_scale(self.model) or 1.0
         if scale != self._compiled_scale:
             # The scale is a constant of the traced step: a new scale, a new trace.

@@ -113,6 +113,43 @@ def find_config(name, jit_compile):
     )
 
 
+def select_configs(names=None, *, float8=False, jit="both"):
+    """The configurations a run times, in `CONFIGS` order (float8 ones last).
+
+    Args:
+        names: `None` (every configuration, the float8 ones with `float8`),
+            or a comma-separated string of configuration names from
+            `CONFIG_NAMES` and `FLOAT8_CONFIG_NAMES` (`--configs`): only
+            those run, a float8 one without `float8` too.
+        float8: Bool. With `names=None`, add the float8 configurations.
+        jit: `"off"`, `"on"` or `"both"`: the `jit_compile` settings kept.
+
+    Returns:
+        A list of `Config`.
+
+    Raises:
+        ValueError: if `names` holds a name that is not a configuration's,
+            or no name at all.
+    """
+    known = CONFIG_NAMES + FLOAT8_CONFIG_NAMES
+    if names is None:
+        wanted = set(CONFIG_NAMES + (FLOAT8_CONFIG_NAMES if float8 else ()))
+    else:
+        listed = [name.strip() for name in names.split(",") if name.strip()]
+        unknown = [name for name in listed if name not in known]
+        if unknown or not listed:
+            raise ValueError(
+                "`--configs` takes comma-separated configuration names, each one of: "
+                f"{', '.join(known)}. Received: --configs {names!r}"
+                + (f" (unknown: {', '.join(repr(name) for name in unknown)})" if unknown else "")
+            )
+        wanted = set(listed)
+    return [
+        config for config in CONFIGS + FLOAT8_CONFIGS
+        if config.name in wanted and (jit == "both" or config.jit_compile == (jit == "on"))
+    ]
+
+
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(1e-3),
     "sgd": lambda: keras.optimizers.SGD(1e-3, momentum=0.9),

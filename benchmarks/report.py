@@ -170,25 +170,20 @@ def ratios(results):
     """Adds `vs_keras` and `vs_float32` to every row of `results` (in place).
 
     Rows are `results[workload][label]`; the ratios compare samples/s with the
-    same `jit_compile`.
+    same `jit_compile`. A ratio whose peer did not run (`--configs`) is
+    `None`.
     """
     for rows in results.values():
         for entry in rows.values():
             jit = "on" if entry["jit_compile"] else "off"
-            base = rows[f"float32 | jit={jit}"]["samples_per_s"]
-            entry["vs_float32"] = entry["samples_per_s"] / base
-            counterpart = _counterpart(entry["config"], entry["policy"])
-            entry["vs_keras"] = (
-                entry["samples_per_s"] / rows[f"{counterpart} | jit={jit}"]["samples_per_s"]
-                if counterpart
-                else None
-            )
-            sixteen_bit = _sixteen_bit(entry["config"], entry["policy"])
-            entry["vs_16bit"] = (
-                entry["samples_per_s"] / rows[f"{sixteen_bit} | jit={jit}"]["samples_per_s"]
-                if sixteen_bit
-                else None
-            )
+
+            def over(peer):
+                row = rows.get(f"{peer} | jit={jit}") if peer else None
+                return entry["samples_per_s"] / row["samples_per_s"] if row else None
+
+            entry["vs_float32"] = over("float32")
+            entry["vs_keras"] = over(_counterpart(entry["config"], entry["policy"]))
+            entry["vs_16bit"] = over(_sixteen_bit(entry["config"], entry["policy"]))
 
 
 def float8_table(results):
@@ -201,8 +196,8 @@ def float8_table(results):
     ]
     for name, rows in results.items():
         for entry in rows.values():
-            if entry.get("vs_16bit") is None:
-                continue
+            if _sixteen_bit(entry["config"], entry["policy"]) is None:
+                continue  # not a float8 configuration
             float8_layers, matmul_layers = entry.get("float8_layers") or ("?", "?")
             lines.append(
                 f"| {name} | {entry['config']} | {'on' if entry['jit_compile'] else 'off'} | "
@@ -219,11 +214,14 @@ def _jit_settings(rows):
 
 
 def loss_scale_overhead(rows, jit):
-    """Step-time overhead of loss scaling: kmp mixed_float16 vs loss_scale=None."""
+    """Step-time overhead of loss scaling: kmp mixed_float16 vs loss_scale=None
+    (`None` where either did not run)."""
     jit = "on" if jit else "off"
-    scaled = rows[f"kmp mixed_float16 | jit={jit}"]["samples_per_s"]
-    unscaled = rows[f"{harness.NO_SCALE} | jit={jit}"]["samples_per_s"]
-    return unscaled / scaled - 1.0
+    scaled = rows.get(f"kmp mixed_float16 | jit={jit}")
+    unscaled = rows.get(f"{harness.NO_SCALE} | jit={jit}")
+    if not (scaled and unscaled):
+        return None
+    return unscaled["samples_per_s"] / scaled["samples_per_s"] - 1.0
 
 
 def _fmt_ratio(value):
@@ -282,21 +280,25 @@ def targets(results):
                 if entry["vs_keras"] is not None and entry["jit_compile"] == jit
             ]
             goal = 1.10 if name == "many_variables" else 1.00
-            worst = min(vs_keras, key=lambda item: item[1])
-            checks.append((
-                f"{name}, jit {j}: every kmp config >= {goal:.2f}x Keras with the same policy",
-                "; ".join(f"{config} {ratio:.3f}x" for config, ratio in vs_keras),
-                worst[1] >= goal,
-            ))
-            if name in ("mlp", "convnet"):
-                overhead = loss_scale_overhead(rows, jit)
+            if vs_keras:  # with `--configs`, a target whose rows did not run is left out
+                worst = min(vs_keras, key=lambda item: item[1])
+                checks.append((
+                    f"{name}, jit {j}: every kmp config >= {goal:.2f}x Keras with the same policy",
+                    "; ".join(f"{config} {ratio:.3f}x" for config, ratio in vs_keras),
+                    worst[1] >= goal,
+                ))
+            if name not in ("mlp", "convnet"):
+                continue
+            overhead = loss_scale_overhead(rows, jit)
+            if overhead is not None:
                 checks.append((
                     f"{name}, jit {j}: loss-scaling overhead <= 3%",
                     f"{overhead * 100:+.1f}%",
                     overhead <= 0.03,
                 ))
-                goal = 1.8 if name == "mlp" else 1.2
-                auto = rows[f"kmp auto | jit={j}"]["vs_float32"]
+            goal = 1.8 if name == "mlp" else 1.2
+            auto = (rows.get(f"kmp auto | jit={j}") or {}).get("vs_float32")
+            if auto is not None:
                 checks.append((
                     f"{name}, jit {j}: kmp auto >= {goal}x float32",
                     f"{auto:.2f}x",
@@ -311,10 +313,9 @@ def overhead_table(results):
         "|---|---:|---:|",
     ]
     for name, rows in results.items():
-        cells = [
-            f"{loss_scale_overhead(rows, jit) * 100:+.1f}%" if jit in _jit_settings(rows) else "not run"
-            for jit in (False, True)
-        ]
+        overheads = [loss_scale_overhead(rows, jit) for jit in (False, True)]
+        cells = ["not run" if overhead is None else f"{overhead * 100:+.1f}%"
+                 for overhead in overheads]
         lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
@@ -427,7 +428,8 @@ def chart(results, workloads, path):
     ):
         for index, (label, config, jit) in enumerate(series):
             values = [
-                results[name][f"{config} | jit={'on' if jit else 'off'}"][key] or 0.0
+                (results[name].get(f"{config} | jit={'on' if jit else 'off'}") or {}).get(key)
+                or 0.0
                 for name in names
             ]
             axis.bar([i + index * width for i in range(len(names))], values, width,

@@ -7,6 +7,8 @@ Usage (from the repository root):
     python -m benchmarks.run --jit on   # only jit_compile=True (off, on, both)
     python -m benchmarks.run --out DIR  # results folder (default: results/)
     python -m benchmarks.run --backend jax   # on Keras' JAX backend (default: tensorflow)
+    python -m benchmarks.run --configs "keras mixed_float16,kmp mixed_float16"
+                                        # only these configurations (names as in the report)
 
 `--backend` picks Keras' backend (it sets `KERAS_BACKEND` before Keras is
 imported; the environment's `KERAS_BACKEND` does not). On JAX, Keras
@@ -50,6 +52,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -140,6 +143,10 @@ def _parse_args(argv):
                              "(its rule), Keras' quantize(\"float8\") under mixed_bfloat16; "
                              "float8 is emulated, and slow, where the GPU has no float8 "
                              "tensor cores (compute capability < 8.9) or there is no GPU")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated subset of the configurations to run, by the "
+                             "names the report shows (default: all; float8 ones with "
+                             "--float8); ratios whose peer did not run are left blank")
     parser.add_argument("--no-op-counts", dest="op_counts", action="store_false",
                         help="skip counting graph ops on the many-variables model (TensorFlow "
                              "only: never counted on JAX)")
@@ -215,19 +222,15 @@ def main(argv=None):
         workloads = [
             workloads_module.get_workload(name.strip(), mode, gpu=gpu) for name in names
         ]
+        configs = harness.select_configs(args.configs, float8=args.float8, jit=settings["jit"])
     except ValueError as error:
         raise SystemExit(str(error)) from None
     os.makedirs(args.out, exist_ok=True)
-    command = "python -m benchmarks.run " + " ".join(argv)
+    command = "python -m benchmarks.run " + shlex.join(argv)
     started = time.perf_counter()
     machine = report.describe_machine()
     print(f"kmp benchmarks ({mode}, {backend}): {report.machine_line(machine)}", flush=True)
 
-    configs = [
-        config
-        for config in harness.CONFIGS + (harness.FLOAT8_CONFIGS if args.float8 else ())
-        if settings["jit"] == "both" or config.jit_compile == (settings["jit"] == "on")
-    ]
     results = {}
     for workload in workloads:
         print(f"[{time.perf_counter() - started:6.0f}s] {workload.name}: {workload.sizes}", flush=True)

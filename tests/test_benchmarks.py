@@ -407,6 +407,91 @@ def test_float8_configurations_build_what_they_name():
     assert harness._float8_layer_counts(kmp_model) == [0, dense]
 
 
+def test_configs_selects_the_named_configurations_and_refuses_unknown_names():
+    """`--configs`: the named configurations in the run's order, float8 ones
+    without `--float8`, each `jit_compile` the run keeps; a name that is not
+    a configuration's is refused, naming the option, the value and the names."""
+    selected = harness.select_configs(
+        "kmp mixed_bfloat16 + float8, keras mixed_float16,kmp mixed_float16", jit="on")
+    assert [(c.name, c.jit_compile) for c in selected] == [
+        ("keras mixed_float16", True), ("kmp mixed_float16", True),
+        ("kmp mixed_bfloat16 + float8", True),
+    ]
+    assert [c.label for c in harness.select_configs("float32")] == [
+        "float32 | jit=off", "float32 | jit=on"]
+    assert harness.select_configs(None, jit="off") == [c for c in harness.CONFIGS if not c.jit_compile]
+    assert harness.select_configs(None, float8=True) == list(harness.CONFIGS + harness.FLOAT8_CONFIGS)
+    for bad in ("kmp mixed_float16,kmp fp16", " , "):
+        with pytest.raises(ValueError) as error:
+            harness.select_configs(bad)
+        message = str(error.value)
+        assert "`--configs`" in message and f"Received: --configs {bad!r}" in message
+        assert all(name in message for name in harness.CONFIG_NAMES + harness.FLOAT8_CONFIG_NAMES)
+    assert "(unknown: 'kmp fp16')" in str(
+        pytest.raises(ValueError, harness.select_configs, "kmp fp16").value)
+
+
+def test_a_report_of_some_configurations_leaves_blank_what_needs_the_others(monkeypatch):
+    """Without float32, `loss_scale=None` or `kmp auto` (`--configs`), their
+    ratios are `None`, the overhead table says "not run", and only the target
+    that the run can check is listed, with the measured ratio."""
+    from benchmarks import report
+    from benchmarks import workloads
+
+    step_seconds = {"keras mixed_float16": 2.0**-7, "kmp mixed_float16": 2.0**-8}
+    clock = {"now": 0.0}
+
+    def run(self, steps):
+        clock["now"] += steps * step_seconds[self.model.config.name]
+        return 0.0
+
+    monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    monkeypatch.setattr(harness._Runner, "run", run)
+    monkeypatch.setattr(harness, "build_model",
+                        lambda workload, config, optimizer="adam": (_FakeModel(config), config.policy))
+    workload = workloads.get_workload("mlp", "smoke")
+    configs = harness.select_configs(",".join(step_seconds), jit="on")
+    rows = harness.time_workload(workload, configs, repeats=3, chunk_seconds=2.0**-4,
+                                 warmup_steps=1, log=lambda line: None)
+    results = {"mlp": rows}
+    report.ratios(results)
+    kmp_row, keras_row = rows["kmp mixed_float16 | jit=on"], rows["keras mixed_float16 | jit=on"]
+    assert (kmp_row["vs_keras"], kmp_row["vs_float32"], kmp_row["vs_16bit"]) == (2.0, None, None)
+    assert (keras_row["vs_keras"], keras_row["vs_float32"]) == (None, None)
+    assert report.overhead_table(results).splitlines()[-1] == "| mlp | not run | not run |"
+    assert report.targets(results) == [(
+        "mlp, jit on: every kmp config >= 1.00x Keras with the same policy",
+        "kmp mixed_float16 2.000x", True,
+    )]
+    text = report.markdown(results, [workload], report.describe_machine(), command="c",
+                           mode="smoke", repeats=3, counts=None, memory_note="",
+                           chart_note="")
+    table = {row[1]: row[3:6] for row in _table_rows(text, "## Throughput")}
+    assert table == {
+        "keras mixed_float16": ["mixed_float16", f"{2**7 * workload.sizes['batch']:,}", ""],
+        "kmp mixed_float16": ["mixed_float16", f"{2**8 * workload.sizes['batch']:,}", "2.00x"],
+    }
+    # A float8 configuration without its 16-bit policy alone keeps its row.
+    float8 = dict(kmp_row, config="kmp mixed_bfloat16 + float8", policy="mixed_bfloat16",
+                  vs_keras=None, vs_16bit=None, float8_layers=[2, 3])
+    assert report.float8_table({"mlp": {"x": float8}}).splitlines()[2:] == [
+        f"| mlp | kmp mixed_bfloat16 + float8 | on | 2 of 3 | {2**8 * workload.sizes['batch']:,} |  |  |"
+    ]
+
+
+def test_an_unknown_configuration_exits_before_anything_is_written(tmp_path):
+    out = tmp_path / "never"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out),
+         "--configs", "keras mixed_float16,kmp mixed_float17"],
+        cwd=_ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
+    )
+    assert result.returncode == 1
+    assert "Received: --configs 'keras mixed_float16,kmp mixed_float17'" in result.stderr
+    assert "(unknown: 'kmp mixed_float17')" in result.stderr
+    assert not out.exists()
+
+
 def test_chart_is_a_png_of_the_expected_size(smoke_run):
     pytest.importorskip("matplotlib", reason="the chart needs matplotlib, the optional `plot` extra")
     from PIL import Image

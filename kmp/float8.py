@@ -32,6 +32,7 @@ rest from where it is defined: the rule in `kmp/precision/_float8_rule.py`,
 """
 
 import inspect
+import warnings
 
 import keras
 
@@ -235,7 +236,38 @@ def enable(model, exclude=None, skip_small=True):
     }
     if targets:
         _quantize(model, targets)
+        caveat = _training_mode_caveat(model, chosen)
+        if caveat:
+            warnings.warn(caveat, stacklevel=2)
     return rows
+
+
+def _training_mode_caveat(model, chosen):
+    """Why `model`'s float8 layers (paths `chosen`) would not record their
+    amax in `fit`, or `None`.
+
+    A float8 layer records its inputs' and kernel's amax only when called
+    in training mode. Keras' `fit` calls a model with `training=True` only
+    where its `call` takes the argument (on TensorFlow, and in kmp's step,
+    the layers inside then inherit it); a subclassed model whose `call`
+    takes none runs every layer in inference mode. Functional and
+    Sequential models pass `training` to each layer.
+    """
+    if isinstance(model, (_keras_internals.Functional, keras.Sequential)):
+        return None
+    if _keras_internals.call_takes_training(model):
+        return None
+    names = sorted(chosen)
+    shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"kmp.float8.enable: {type(model).__name__}.call takes no `training` argument, so "
+        f"fit calls {model.name!r} without one and the layers inside it run in inference "
+        f"mode. Its {len(names)} float8 layer(s) ({shown}) would then never record their "
+        "inputs' and kernel's amax: they would quantize with scales that never move (1.0 "
+        "on TensorFlow; on JAX Keras overwrites them with 0, and the layers' outputs are "
+        "not finite). Add `training=None` to `call` and pass `training=training` to the "
+        "layers that hold them."
+    )
 
 
 def _quantize(model, targets, filters=None):

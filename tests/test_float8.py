@@ -7,6 +7,7 @@ tiny (at most a few thousand weights).
 
 import importlib.util
 import os
+import warnings
 
 import keras
 import ml_dtypes
@@ -1077,6 +1078,83 @@ def test_input_shares_of_a_model_the_probe_cannot_copy_are_none_with_a_warning()
         assert float8.stats(model, x)["up"]["inputs"]["saturated"] is None
     with pytest.raises(ValueError, match="cannot be copied"):
         float8.stats(model, x, y)
+
+
+class _Subclassed(kmp.Model):
+    """A subclassed model with one float8-sized hidden layer; `forward`:
+    whether `call` passes `training` on to its layers."""
+
+    def __init__(self, forward=False, **kwargs):
+        super().__init__(**kwargs)
+        self.forward = forward
+        self.up = keras.layers.Dense(32, name="up")
+        self.head = keras.layers.Dense(16, name="head")
+
+    def call(self, x, training=None):
+        passed = {"training": training} if self.forward else {}
+        return self.head(self.up(x, **passed), **passed)
+
+
+class _SubclassedWithoutTraining(_Subclassed):
+    def call(self, x):
+        return self.head(self.up(x))
+
+
+@pytest.mark.parametrize("model_class, forward, warned, recorded", [
+    (_SubclassedWithoutTraining, False, True, False),
+    # On TensorFlow the layers inherit fit's `training=True`; on JAX, where
+    # Keras calls `call` itself, only a layer given `training` records.
+    (_Subclassed, False, False, keras.backend.backend() == "tensorflow"),
+    (_Subclassed, True, False, True),
+])
+def test_float8_layers_that_run_without_training_are_named_at_enable_or_by_the_monitor(
+        model_class, forward, warned, recorded):
+    """A float8 layer records its amax only in training mode: a subclassed
+    model whose `call` takes no `training` gets a warning from `enable`
+    naming the class, the layers and the fix; a layer that trained without
+    recording (its kernel's amax still 0, its scale 1.0, or 0 on JAX) is
+    named by the monitor at each epoch's end. A model that passes
+    `training` on records, and neither says anything."""
+    kmp.set_policy("mixed_bfloat16")
+    model = model_class(forward=forward, name="net") if forward else model_class(name="net")
+    x, y = _data(32)
+    model(x[:1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        float8.enable(model, skip_small=False)
+    messages = [str(w.message) for w in caught if "kmp.float8.enable" in str(w.message)]
+    assert model.up.dtype_policy.quantization_mode == "float8"  # enabled all the same
+    if warned:
+        assert len(messages) == 1
+        assert messages[0].startswith(
+            "kmp.float8.enable: _SubclassedWithoutTraining.call takes no `training` argument, "
+            "so fit calls 'net' without one")
+        assert "1 float8 layer(s) ('net/up')" in messages[0]
+        assert "pass `training=training` to the layers that hold them" in messages[0]
+    else:
+        assert messages == []
+    lines = []
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+              callbacks=[float8.Float8Monitor(print_fn=lines.append)])
+    kernel_history = np.asarray(model.up.kernel_amax_history)
+    kernel_scale = float(np.asarray(model.up.kernel_scale))
+    if recorded:
+        assert kernel_history[0] == pytest.approx(float(np.max(np.abs(np.asarray(model.up.kernel)))),
+                                                  rel=0.02)
+        assert not any("recorded no amax" in line for line in lines)
+    else:
+        assert not kernel_history.any()
+        # Keras' own outcome: TensorFlow drops the missing "gradient", JAX
+        # overwrites the scale with a zero one.
+        assert kernel_scale == (1.0 if keras.backend.backend() == "tensorflow" else 0.0)
+        assert [line.splitlines()[1] for line in lines] == [
+            f"  net/up: recorded no amax in training (its kernel's is 0 after {steps} steps, "
+            f"its scale {kernel_scale:.4g}): it ran without `training=True`, so its inputs' "
+            "and kernel's scales do not follow them. Pass `training=training` to it (or to "
+            "the layer holding it) in the model's `call`."
+            for steps in (1, 2)
+        ]
 
 
 # --- saved and served ---------------------------------------------------------

@@ -53,7 +53,9 @@ class Float8Monitor(keras.callbacks.Callback):
               TensorBoard callbacks placed after the monitor see them
         write one CSV row per layer and tensor to csv_path
         say (print_fn) each tensor with saturated or flushed > warn_share,
-            or whose amax exceeded its scale's range more than 2x
+            or whose amax exceeded its scale's range more than 2x, and
+            each layer whose kernel amax is 0 after training steps (it ran
+            without training=True: its scales do not move)
     at the end of training: plot the figures per epoch to plot_path
     ```
 
@@ -155,7 +157,17 @@ class Float8Monitor(keras.callbacks.Callback):
                         if values[figure] is not None:
                             logs[log_key(layer, tensor, figure)] = values[figure]
         lines = []
+        steps = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
         for layer, tensors in figures.items():
+            kernel = tensors["kernel"]
+            if steps and kernel["amax"] == 0.0:
+                lines.append(
+                    f"  {layer}: recorded no amax in training (its kernel's is 0 after "
+                    f"{steps} steps, its scale {kernel['scale']:.4g}): it ran without "
+                    "`training=True`, so its inputs' and kernel's scales do not follow "
+                    "them. Pass `training=training` to it (or to the layer holding it) "
+                    "in the model's `call`."
+                )
             for tensor, values in tensors.items():
                 problems = [
                     f"{values[key]:.1%} {key}"

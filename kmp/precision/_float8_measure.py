@@ -23,9 +23,11 @@ from kmp.precision._float8_rule import float8_layers
 def _quantized_shares(values, scale, fmt):
     """`(saturated, flushed)`: the shares of `values` that quantizing with
     `scale` to `fmt` clips at its maximum, or rounds to zero (nonzero values
-    only), exactly as Keras' `quantize_and_dequantize` does."""
+    only), exactly as Keras' `quantize_and_dequantize` does (a scale of 0
+    clips every nonzero value)."""
     largest, tiny = FORMAT_LIMITS[fmt]
-    scaled = np.abs(np.asarray(values, np.float64)) / float(scale)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.abs(np.asarray(values, np.float64)) / float(scale)
     count = max(scaled.size, 1)
     saturated = float(np.count_nonzero(scaled > largest)) / count
     # Below half the smallest subnormal, round-to-nearest-even gives zero.
@@ -168,12 +170,21 @@ def measure(model, x, y, probe):
             tensors[name] = {
                 "amax": amax,
                 "scale": scale,
-                "range_used": amax / (scale * largest),
+                "range_used": _range_used(amax, scale * largest),
                 "saturated": saturated,
                 "flushed": flushed,
             }
         report[label] = tensors
     return report
+
+
+def _range_used(amax, top):
+    """`amax / top`; with a scale of 0 (Keras' float8 layer on JAX after a
+    step that did not record: its scale overwritten with a zero
+    "gradient"), infinite, or NaN where the amax is 0 too."""
+    if top:
+        return amax / top
+    return float("inf") if amax else float("nan")
 
 
 def _unquantized_output(layer, inputs, dtype):

@@ -1080,6 +1080,106 @@ def test_input_shares_of_a_model_the_probe_cannot_copy_are_none_with_a_warning()
         float8.stats(model, x, y)
 
 
+class _Inner(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(32, activation="relu", name="dense")
+
+    def call(self, x, training=None):
+        return self.dense(x, training=training)
+
+
+class _Tower(kmp.Model):
+    """Dense -> a custom layer holding a Dense -> Dense head, subclassed."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(32, activation="relu", name="up")
+        self.inner = _Inner(name="inner")
+        self.head = keras.layers.Dense(4, name="head")
+
+    def call(self, x, training=None):
+        return self.head(self.inner(self.up(x, training=training), training=training),
+                         training=training)
+
+
+def test_stats_and_compare_measure_a_subclassed_model_as_the_same_functional_one():
+    """A subclassed model is copied from its config and its layers paired in
+    order: `stats(model, x, y)` (inputs, kernel and output-gradient shares,
+    a nested float8 Dense included) and `compare` give exactly what they
+    give for the functional model made of the same layers with the same
+    weights and float8 state, on both backends, and the model is left as it
+    was. Inputs spread over 2**-12..2**4 and targets over 2**-20..2**4
+    make every share nonzero somewhere."""
+    kmp.set_policy("mixed_bfloat16")
+    rng = np.random.default_rng(5)
+    x = (2.0 ** rng.uniform(-12, 4, size=(32, 32)) * rng.choice([-1, 1], (32, 32))).astype("float32")
+    y = (2.0 ** rng.uniform(-20, 4, size=(32, 4))).astype("float32")
+    subclassed = _Tower(name="tower")
+    subclassed(x[:1])
+    inputs = keras.Input((32,))
+    up = keras.layers.Dense(32, activation="relu", name="up")
+    inner = _Inner(name="inner")
+    functional = kmp.Model(inputs, keras.layers.Dense(4, name="head")(inner(up(inputs))),
+                           name="tower")
+    for model in (subclassed, functional):
+        float8.enable(model, skip_small=False)
+        model.compile(optimizer="sgd", loss="mse")
+    subclassed.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    pairs = [(subclassed.up, up), (subclassed.inner.dense, inner.dense),
+             (subclassed.head, functional.get_layer("head"))]
+    # Output-gradient scales that clip (`up`) and flush (`inner/dense`) shares.
+    subclassed.up.outputs_grad_scale.assign(2.0**-22)
+    subclassed.inner.dense.outputs_grad_scale.assign(2.0**6)
+    for mine, theirs in pairs:  # float8 scales and histories included
+        for name, variable in {v.name: v for v in mine.weights}.items():
+            {v.name: v for v in theirs.weights}[name].assign(ops.convert_to_numpy(variable))
+    before = _state(subclassed)
+    figures, expected = float8.stats(subclassed, x, y), float8.stats(functional, x, y)
+    _assert_unchanged(subclassed, before)
+    assert set(figures) == {"tower/up", "tower/inner/dense"}
+    assert set(expected) == {"up", "inner/dense"}
+    for label in ("up", "inner/dense"):
+        assert figures[f"tower/{label}"] == expected[label], label
+        assert all(figures[f"tower/{label}"][tensor][share] is not None
+                   for tensor in ("inputs", "kernel", "outputs_grad")
+                   for share in ("saturated", "flushed"))
+    assert figures["tower/up"]["outputs_grad"]["saturated"] > 0.01
+    assert figures["tower/inner/dense"]["outputs_grad"]["flushed"] > 0.01
+    assert figures["tower/up"]["inputs"]["saturated"] > 0
+    rows = float8.compare(subclassed, x)
+    assert [dict(row, layer=row["layer"].removeprefix("tower/")) for row in rows] == \
+        float8.compare(functional, x)
+    _assert_unchanged(subclassed, before)
+
+
+class _TowerWithAFunction(_Tower):
+    """A subclassed model whose config cannot hold its argument."""
+
+    def __init__(self, activation, **kwargs):
+        super().__init__(**kwargs)
+        self.activation = activation
+
+
+def test_a_subclassed_model_its_config_cannot_make_again_is_named_as_uncopyable():
+    """Inputs only: not measured (None) with a warning naming the model and
+    why; the output gradients need the copy, and raise."""
+    kmp.set_policy("mixed_bfloat16")
+    x, y = _data(32)
+    model = _TowerWithAFunction(lambda t: t, name="tower")
+    model(x[:1])
+    float8.enable(model, skip_small=False)
+    with pytest.warns(UserWarning, match="'tower' cannot be copied") as caught:
+        figures = float8.stats(model, x)
+    message = str(caught[0].message)
+    assert "NotImplementedError" in message and "Please implement `get_config()`" in message
+    assert "Received: model of type _TowerWithAFunction" in message
+    assert figures["tower/up"]["inputs"]["saturated"] is None
+    assert figures["tower/up"]["kernel"]["saturated"] is not None
+    with pytest.raises(ValueError, match="'tower' cannot be copied"):
+        float8.stats(model, x, y)
+
+
 class _Subclassed(kmp.Model):
     """A subclassed model with one float8-sized hidden layer; `forward`:
     whether `call` passes `training` on to its layers."""

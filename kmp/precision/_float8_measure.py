@@ -35,16 +35,10 @@ def _quantized_shares(values, scale, fmt):
     return saturated, flushed
 
 
-def copyable(model):
-    """Whether `Float8Probe` can copy `model`: a functional or Sequential model."""
-    return isinstance(model, (_keras_internals.Functional, keras.Sequential))
-
-
 def probe_for(model, x, y, loss=None):
     """The `Float8Probe` that measures `stats(model, x, y)`: `None` without
-    `x`, and without `y` for a model it cannot copy (its layers' inputs are
-    then not measured, as before the probe read them)."""
-    if x is None or (y is None and not copyable(model)):
+    `x`."""
+    if x is None:
         return None
     return _float8_probe.Float8Probe(model, loss)
 
@@ -77,15 +71,14 @@ def stats(model, x=None, y=None, loss=None):
     Keras quantizes:
 
     - `kernel`: always, on the kernel itself.
-    - `inputs`: when `x` is given to a functional or Sequential model, on
-      what the layer's matmul receives from `x` (in its compute dtype), all
+    - `inputs`: when `x` is given, on what the layer's matmul receives from `x` (in its compute dtype), all
       its calls together: read in a forward pass of a copy of the model
       (the model itself is not changed) whose float8 layers, at any depth,
       keep their inputs, so the layers inside another layer (a
       `MultiHeadAttention`'s projections, the Dense layers of a custom
       layer) are measured as the others are.
     - `outputs_grad`: when `x` and `y` are given to a compiled (or given
-      `loss`) functional or Sequential model, by a probe training step on
+      `loss`) model, by a probe training step on
       `(x, y)`: one step of the same copy whose loss is multiplied by the
       current loss scale, as the scaled step's is, and which counts the
       gradient each float8 layer's matmul output receives against its
@@ -93,6 +86,10 @@ def stats(model, x=None, y=None, loss=None):
       batch, so give a batch of the training batch size: a larger one has
       smaller gradients.
 
+    The copy is made by `keras.models.clone_model` (a functional or
+    Sequential model, each layer from its config), or, for a subclassed
+    model, from the model's config, built on the first row of `x`, its
+    layers paired with the model's in the order the model tracks them.
     `None` where not measured. Without the probe, the output gradient's
     `amax` and `range_used` (from its history) say whether the last step
     saturated and how far below the range it fell, not which share.
@@ -112,8 +109,8 @@ def stats(model, x=None, y=None, loss=None):
 
     Raises:
         ValueError: if `y` is given without `x`, the model cannot be
-            copied (with `x`, for a functional or Sequential model; with
-            `y`, for any), or the probe step has no loss.
+            copied and `y` is given (with `x` alone its inputs' shares are
+            `None`, with a warning), or the probe step has no loss.
 
     Example:
 
@@ -206,7 +203,7 @@ def _unquantized_output(layer, inputs, dtype):
 def compare(model, x, tolerance=0.1):
     """How far each float8 layer's output is from its 16-bit and float32 output.
 
-    For each float8 layer of a functional or Sequential model, at any depth
+    For each float8 layer of a model, at any depth
     (a `MultiHeadAttention`'s projections, the Dense layers of a custom
     layer included), on the inputs its matmul receives from `x` (in its
     compute dtype): its output as trained (float8, with the scales it has
@@ -229,7 +226,8 @@ def compare(model, x, tolerance=0.1):
     exclude=[name])`.
 
     Args:
-        model: A functional or Sequential `keras.Model` with float8 layers.
+        model: A `keras.Model` with float8 layers (functional, Sequential,
+            or subclassed and made again by `from_config(get_config())`).
         x: A batch of the model's inputs.
         tolerance: Float > 0. The float8 error above which a layer is
             flagged. Defaults to `0.1`.
@@ -239,9 +237,9 @@ def compare(model, x, tolerance=0.1):
         `float8_error`, `sixteen_bit_error`, `flagged`.
 
     Raises:
-        ValueError: if `tolerance` is not a positive number, or `model` is
-            not a functional or Sequential model, or cannot be copied (a
-            layer that `from_config(get_config())` does not make again).
+        ValueError: if `tolerance` is not a positive number, or `model`
+            cannot be copied (a layer, or a subclassed model, that
+            `from_config(get_config())` does not make again).
 
     Example:
 
@@ -260,13 +258,6 @@ def compare(model, x, tolerance=0.1):
         )
     if not float8_layers(model):
         return []
-    if not copyable(model):
-        raise ValueError(
-            "kmp.float8.compare reads each float8 layer's inputs in a copy of "
-            f"the model, and {model.name!r} is not a functional or Sequential "
-            "model, which `keras.models.clone_model` copies. Received: model of "
-            f"type {type(model).__name__}"
-        )
     return compare_calls(model, _float8_probe.Float8Probe(model).layer_calls(x), tolerance)
 
 

@@ -11,7 +11,9 @@ are tapped, and reads both there, backend-neutral:
 ```
 copy = the model, each layer made again from its config (the float8
        layers inside another layer, a MultiHeadAttention's projections,
-       quantized as in the model)
+       quantized as in the model); a subclassed model made again from
+       its own config, built on the first row of x, its layers paired
+       with the model's in tracking order
 for each float8 layer L of the copy, at any depth:
     L computes its float8 matmul and bias -> tap -> L's activation
     (the tap passes values through; its gradient, the gradient L's
@@ -79,8 +81,8 @@ def current_loss_scale(model):
 
 
 class CopyError(ValueError):
-    """The probe cannot copy the model (a layer that
-    `from_config(get_config())` does not make again, a subclassed model)."""
+    """The probe cannot copy the model (a layer, or a subclassed model,
+    that `from_config(get_config())` does not make again)."""
 
 
 class _TapCounts(keras.layers.Layer):
@@ -194,7 +196,7 @@ class Float8Probe:
     again.
 
     Args:
-        model: A functional or Sequential `keras.Model`; for
+        model: A `keras.Model`; for
             `output_gradients`, compiled with a loss (or given `loss`).
         loss: Optional loss, as `compile` takes it. Defaults to `None`: the
             model's compiled loss.
@@ -216,31 +218,30 @@ class Float8Probe:
         self._copy_error = None
         self._warned = False
 
-    def _build(self):
+    def _build(self, x):
         if self._copy_error is not None:
             raise self._copy_error  # copying failed once: it fails again
-
-        def clone_layer(layer):
-            if isinstance(layer, keras.Model):
-                return keras.models.clone_model(layer, clone_function=clone_layer)
-            return layer.__class__.from_config(layer.get_config())
-
+        functional = isinstance(self.model, (_keras_internals.Functional, keras.Sequential))
+        # The counts: one row per float8 layer, at any depth.
+        counts = _TapCounts(
+            sum(layer.dtype_policy.quantization_mode == "float8" for layer in
+                _keras_internals.nested_layers(self.model, include_self=False, recursive=True)),
+            name="float8_probe_counts",
+        )
         try:
-            copy = keras.models.clone_model(self.model, clone_function=clone_layer)
+            copy, self._pairs = (_functional_copy(self.model) if functional
+                                 else _subclassed_copy(self.model, x, counts))
         except Exception as error:
             self._copy_error = CopyError(
                 "Measuring float8 layers' inputs and output gradients copies the "
                 f"model, and {self.model.name!r} cannot be copied "
                 f"({type(error).__name__}: {error}). A functional or Sequential "
-                "model whose layers `from_config(get_config())` makes again can. "
+                "model whose layers `from_config(get_config())` makes again can, "
+                "and a subclassed one that `from_config(get_config())` makes again "
+                "with the same layers. "
                 f"Received: model of type {type(self.model).__name__}"
             )
             raise self._copy_error from None
-        self._pairs = [
-            pair
-            for layer, copied in _layer_pairs(self.model, copy)
-            for pair in [(layer, copied)] + _inner_pairs(layer, copied)
-        ]
         tapped = []
         for layer, copied in self._pairs:
             if layer.dtype_policy.quantization_mode != "float8":
@@ -251,21 +252,24 @@ class Float8Probe:
             if copied.dtype_policy.quantization_mode is None:
                 copied.quantize("float8")
             tapped.append((layer, copied))
-        counts = _TapCounts(len(tapped), name="float8_probe_counts")
         for (layer, copied), row in zip(tapped, counts.rows):
             label = _keep_float32._layer_label(layer)
             self._counts[label] = row
             self._records[label] = _CallRecord()
             _tap(copied, row, self._records[label])
-        self._copy = keras.Model(copy.inputs, copy.outputs)
-        # Outside the copy's graph, and still one of its layers: its
-        # variables are the step's, which writes the counts into them.
-        self._copy.float8_probe_counts = counts
+        # The counts layer is one of the copy's layers outside its graph: its
+        # variables are the step's, which writes the counts into them. A
+        # functional model made anew from the copy's layers takes it so; a
+        # subclassed copy took it before it was built.
+        self._copy = copy
+        if functional:
+            self._copy = keras.Model(copy.inputs, copy.outputs)
+            self._copy.float8_probe_counts = counts
         self._layer_calls = _LayerCalls(copy, self._records, name="float8_probe_calls")
 
-    def _copy_weights(self):
+    def _copy_weights(self, x):
         if self._copy is None:
-            self._build()
+            self._build(x)
         for layer, copied in self._pairs:
             _copy_variables(layer, copied)
 
@@ -277,7 +281,7 @@ class Float8Probe:
         be copied, raises `CopyError`, or, unless `required`, warns (once
         per probe) and returns `{}`."""
         try:
-            self._copy_weights()
+            self._copy_weights(x)
         except CopyError as error:
             if required:
                 raise
@@ -303,7 +307,7 @@ class Float8Probe:
                 f"{self.model.name!r} with one, or pass `loss`. Received: loss=None"
             )
         if copy_weights:
-            self._copy_weights()
+            self._copy_weights(x)
         scale = current_loss_scale(self.model) or 1.0
         if scale != self._compiled_scale:
             # The scale is a constant of the traced step: a new scale, a new trace.
@@ -325,6 +329,66 @@ class Float8Probe:
             saturated, flushed, values = (float(v) for v in ops.convert_to_numpy(row))
             shares[label] = (saturated / values, flushed / values) if values else (None, None)
         return shares
+
+
+def _functional_copy(model):
+    """`(copy, pairs)`: `model` (functional or Sequential) made again by
+    `clone_model`, each layer from its config, and `(layer, its copy)` for
+    each of its layers at any depth, but its inputs."""
+
+    def clone_layer(layer):
+        if isinstance(layer, keras.Model):
+            return keras.models.clone_model(layer, clone_function=clone_layer)
+        return layer.__class__.from_config(layer.get_config())
+
+    copy = keras.models.clone_model(model, clone_function=clone_layer)
+    pairs = [
+        pair
+        for layer, copied in _layer_pairs(model, copy)
+        for pair in [(layer, copied)] + _inner_pairs(layer, copied)
+    ]
+    return copy, pairs
+
+
+def _subclassed_copy(model, x, counts):
+    """`(copy, pairs)` of a subclassed `model`: made again from its config
+    (as `clone_model` copies one), given the layer `counts` (a built
+    subclassed model takes no new layer), built by a call on the first row of `x`,
+    and its layers paired with the model's in tracking order, which must
+    match class for class and weight shape for weight shape (a float8
+    layer's own variables aside: `quantize` adds those to the copy later).
+
+    Raises:
+        ValueError: if the copy's layers are not the model's.
+    """
+    copy = model.__class__.from_config(model.get_config())
+    copy.float8_probe_counts = counts
+    row = keras.tree.map_structure(lambda array: array[:1], x)
+    copy(row, training=False) if _keras_internals.call_takes_training(copy) else copy(row)
+    mine = _keras_internals.nested_layers(model, include_self=False, recursive=True)
+    theirs = [layer for layer in
+              _keras_internals.nested_layers(copy, include_self=False, recursive=True)
+              if layer is not counts]
+    pairs = list(zip(mine, theirs))
+    if len(mine) != len(theirs) or any(
+        type(layer) is not type(copied) or _shapes(layer) != _shapes(copied)
+        for layer, copied in pairs
+    ):
+        raise ValueError(
+            "its copy from `from_config(get_config())` does not hold the same layers "
+            f"({len(theirs)} against the model's {len(mine)}, or of other classes or shapes)"
+        )
+    return copy, pairs
+
+
+def _shapes(layer):
+    """The shapes of the variables `layer` holds itself but a float8
+    layer's own, which a quantized layer has and its copy does not yet."""
+    return sorted(
+        (name, tuple(variable.shape))
+        for name, variable in _own_variables(layer).items()
+        if not name.endswith(("_scale", "_amax_history"))
+    )
 
 
 def _layer_pairs(model, copy):

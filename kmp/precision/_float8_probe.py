@@ -66,6 +66,7 @@ from keras import ops
 from kmp import _keras_internals
 from kmp import loss_scale as loss_scale_module
 from kmp.precision._float8_formats import FORMAT_LIMITS
+from kmp.precision._float8_formats import TENSORS
 from kmp.precision import _keep_float32
 
 
@@ -387,8 +388,12 @@ def _shapes(layer):
     return sorted(
         (name, tuple(variable.shape))
         for name, variable in _own_variables(layer).items()
-        if not name.endswith(("_scale", "_amax_history"))
+        if name not in _FLOAT8_VARIABLES
     )
+
+
+# The names of the variables `quantize("float8")` adds to a layer.
+_FLOAT8_VARIABLES = frozenset(name for row in TENSORS for name in row[2:])
 
 
 def _layer_pairs(model, copy):

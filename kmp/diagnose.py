@@ -26,7 +26,7 @@ from kmp.diagnosis._static import static_findings
 from kmp.precision import _float8_measure
 from kmp.precision import _float8_probe
 from kmp.precision._float8_formats import TENSORS as _FLOAT8_TENSORS
-from kmp.precision._float8_rule import float8_layers
+from kmp.precision._float8_training import float8_layers
 from kmp.precision._float8_rule import without_float8
 
 

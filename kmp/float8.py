@@ -32,14 +32,12 @@ rest from where it is defined: the rule in `kmp/precision/_float8_rule.py`,
 """
 
 import inspect
-import warnings
 
 import keras
-import numpy as np
 
 from kmp import _keras_internals
-from kmp import backends
 from kmp.precision import _float8_rule
+from kmp.precision import _float8_training
 from kmp.scaling import _step as _scaling_step
 from kmp.precision import _keep_float32
 
@@ -62,7 +60,7 @@ from kmp.precision._float8_rule import DIMENSION_MULTIPLE  # noqa: F401
 from kmp.precision._float8_rule import FILTER_RULE  # noqa: F401
 from kmp.precision._float8_rule import SMALL_INPUT_FEATURES  # noqa: F401
 from kmp.precision._float8_rule import SMALL_OUTPUT_FEATURES  # noqa: F401
-from kmp.precision._float8_rule import float8_layers
+from kmp.precision._float8_training import float8_layers
 
 __all__ = [
     "DIMENSION_MULTIPLE",
@@ -238,83 +236,8 @@ def enable(model, exclude=None, skip_small=True):
     }
     if targets:
         _quantize(model, targets)
-        caveat = _training_mode_caveat(model)
-        if caveat:
-            warnings.warn(caveat, stacklevel=2)
+        _float8_training.warn_if_not_recording(model, stacklevel=3)
     return rows
-
-
-_NOT_RECORDED = (
-    "would then never record their inputs' and kernel's amax: they would quantize with "
-    "scales that never move (1.0 on TensorFlow; on JAX Keras overwrites them with 0, and "
-    "the layers' outputs are not finite)."
-)
-
-
-def _training_mode_caveat(model):
-    """Why some of `model`'s float8 layers would not record their amax in
-    `fit`, or `None`.
-
-    A float8 layer records its inputs' and kernel's amax only when called
-    in training mode. Functional and Sequential models pass `training` to
-    each layer. Keras' `fit` calls a subclassed model with `training=True`
-    only where its `call` takes the argument; on TensorFlow the layers
-    inside then inherit it, while on JAX Keras runs `call` itself and a
-    layer gets `training` only where `call` passes it on. So: a `call`
-    without `training` is named from its signature; on JAX, the float8
-    layers `call` does not pass it to are found by running the model once
-    as Keras' trainer does, on a batch of zeros of the shape it was built
-    with (where it was built on one input; nothing is written).
-    """
-    if isinstance(model, (_keras_internals.Functional, keras.Sequential)):
-        return None
-    layers = float8_layers(model)
-    name = type(model).__name__
-    if not _keras_internals.call_takes_training(model):
-        return (
-            f"kmp.float8.enable: {name}.call takes no `training` argument, so fit calls "
-            f"{model.name!r} without one and the layers inside it run in inference mode. "
-            f"Its {_listed(layers)} {_NOT_RECORDED} Add `training=None` to `call` and pass "
-            "`training=training` to the layers that hold them."
-        )
-    batch = _zeros_batch(model)
-    if batch is None:
-        return None
-    try:
-        recorded = backends.get("float8").recorded_in_fit(model, layers, batch)
-    except Exception:  # noqa: BLE001 - a model this check cannot run is not warned about
-        return None
-    missing = [layer for layer, done in zip(layers, recorded or ()) if not done]
-    if not missing:
-        return None
-    return (
-        f"kmp.float8.enable: on JAX, Keras' fit runs {name}.call itself, and a layer inside "
-        "it runs in training mode only where `call` passes it `training=training`. "
-        f"{model.name!r} does not, for {_listed(missing)} (checked on a batch of zeros): "
-        "they would never record their inputs' and kernel's amax, and after the first "
-        "step Keras overwrites their scales with 0 (their outputs are then not finite). "
-        "Pass `training=training` to them, or to the layers that hold them."
-    )
-
-
-def _listed(layers):
-    names = [_keep_float32._layer_label(layer) for layer in layers]
-    shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
-    return f"{len(names)} float8 layer(s) ({shown})"
-
-
-def _zeros_batch(model):
-    """A batch of one of zeros, of the shape `model` was built with, or
-    `None` where it was built on several inputs or none known."""
-    shapes = _keras_internals.build_shapes(model)
-    if not shapes or len(shapes) != 1:
-        return None
-    shape = next(iter(shapes.values()))
-    if not isinstance(shape, (tuple, list)) or not shape or not all(
-        d is None or isinstance(d, int) for d in shape
-    ):
-        return None
-    return np.zeros([1] + [1 if d is None else d for d in shape[1:]], "float32")
 
 
 def _quantize(model, targets, filters=None):

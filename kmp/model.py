@@ -8,6 +8,7 @@ import numpy as np
 
 from kmp import _keras_internals
 from kmp.scaling import _model_step
+from kmp.precision import _float8_training
 from kmp.precision import _settle as _precision
 from kmp.scaling import _settings as _scaler_settings
 from kmp import backends
@@ -415,6 +416,9 @@ class Model(_keras_internals.ModelBase):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
+        # Float8 layers Keras' own quantize("float8") made, that fit would
+        # run without training=True, are named before the first step.
+        _float8_training.warn_if_not_recording(self)
         trainer = backends.get("trainer")
         _model_step.wrap_optimizers(self, _loss_scale_optimizer)
         own_wrapper = getattr(vars(self).get("train_step"), "_kmp_reporting", False)

@@ -1080,6 +1080,31 @@ def test_input_shares_of_a_model_the_probe_cannot_copy_are_none_with_a_warning()
         float8.stats(model, x, y)
 
 
+def test_fit_names_float8_layers_keras_quantize_made_that_would_not_record():
+    """Keras' own `model.quantize("float8")` on a `kmp.Model` whose `call`
+    takes no `training`: its first `fit` warns, once, as `enable` would;
+    a model whose `call` passes `training` on is not warned about."""
+    kmp.set_policy("mixed_bfloat16")
+    x, y = _data(32)
+    for model_class, expected in ((_SubclassedWithoutTraining, 1), (_Subclassed, 0)):
+        model = model_class(forward=True, name="net") if expected == 0 else model_class(name="net")
+        model(x[:1])
+        model.quantize("float8")
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        messages = [str(w.message) for w in caught if "kmp.float8: " in str(w.message)]
+        assert len(messages) == expected, messages
+        if expected:
+            assert messages[0].startswith("kmp.float8: _SubclassedWithoutTraining.call takes "
+                                          "no `training` argument, so fit calls 'net' without one")
+            assert "2 float8 layer(s) ('net/up', 'net/head')" in messages[0]
+
+
 class _Inner(keras.layers.Layer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -1228,7 +1253,7 @@ def test_float8_layers_that_run_without_training_are_named_at_enable_and_by_the_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         float8.enable(model, skip_small=False)
-    messages = [str(w.message) for w in caught if "kmp.float8.enable" in str(w.message)]
+    messages = [str(w.message) for w in caught if "kmp.float8: " in str(w.message)]
     assert model.up.dtype_policy.quantization_mode == "float8"  # enabled all the same
     # The check on JAX ran the model and wrote nothing: every history still 0.
     assert not np.asarray(model.up.kernel_amax_history).any()
@@ -1236,13 +1261,13 @@ def test_float8_layers_that_run_without_training_are_named_at_enable_and_by_the_
     if warned == "signature":
         assert len(messages) == 1
         assert messages[0].startswith(
-            "kmp.float8.enable: _SubclassedWithoutTraining.call takes no `training` argument, "
+            "kmp.float8: _SubclassedWithoutTraining.call takes no `training` argument, "
             "so fit calls 'net' without one")
         assert "1 float8 layer(s) ('net/up')" in messages[0]
         assert "pass `training=training` to the layers that hold them" in messages[0]
     elif warned == "jax":
         assert messages == [
-            "kmp.float8.enable: on JAX, Keras' fit runs _Subclassed.call itself, and a layer "
+            "kmp.float8: on JAX, Keras' fit runs _Subclassed.call itself, and a layer "
             "inside it runs in training mode only where `call` passes it `training=training`. "
             "'net' does not, for 1 float8 layer(s) ('net/up') (checked on a batch of zeros): "
             "they would never record their inputs' and kernel's amax, and after the first "
@@ -1253,8 +1278,11 @@ def test_float8_layers_that_run_without_training_are_named_at_enable_and_by_the_
         assert messages == []
     lines = []
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    model.fit(x, y, batch_size=32, epochs=2, verbose=0,
-              callbacks=[float8.Float8Monitor(print_fn=lines.append)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+                  callbacks=[float8.Float8Monitor(print_fn=lines.append)])
+    assert not [w for w in caught if "kmp.float8: " in str(w.message)]  # said once, by enable
     kernel_history = np.asarray(model.up.kernel_amax_history)
     kernel_scale = float(np.asarray(model.up.kernel_scale))
     if recorded:

@@ -21,6 +21,9 @@ they and `kmp.Model` share:
   gradient, at any depth.
 - `_float8_formats.py`: the float8 formats' limits and the tensors each
   float8 layer quantizes.
+- `_float8_training.py`: a model's float8 layers, and the warning where
+  `fit` would run them without `training=True` (read by `kmp.float8.enable`
+  and `kmp.Model`).
 - `_float8_matmul.py`: the float8 matmul `kmp doctor` times, and which GPUs
   run it natively.
 """

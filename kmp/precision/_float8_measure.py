@@ -17,7 +17,7 @@ from kmp.precision import _float8_probe
 from kmp.precision import _keep_float32
 from kmp.precision._float8_formats import FORMAT_LIMITS
 from kmp.precision._float8_formats import TENSORS
-from kmp.precision._float8_rule import float8_layers
+from kmp.precision._float8_training import float8_layers
 
 
 def _quantized_shares(values, scale, fmt):

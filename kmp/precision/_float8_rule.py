@@ -13,6 +13,7 @@ from kmp import _keras_internals
 from kmp import model as model_module
 from kmp import policy as policy_module
 from kmp.precision import _keep_float32
+from kmp.precision._float8_training import float8_layers
 
 # Float8 tensor cores take matrices whose dimensions are multiples of 16.
 DIMENSION_MULTIPLE = 16
@@ -38,23 +39,6 @@ A Dense or EinsumDense layer runs float8 matmuls unless:
     (torchao's tensorwise rule; `skip_small=False` turns this off)."""
 
 _MATMUL_CLASSES = (keras.layers.Dense, keras.layers.EinsumDense)
-
-
-def float8_layers(model):
-    """The layers of `model` that run float8 matmuls.
-
-    Args:
-        model: A `keras.Model`.
-
-    Returns:
-        A list of layers, each once, in tracking order.
-    """
-    found, seen = [], set()
-    for layer in _keras_internals.nested_layers(model, include_self=False, recursive=True):
-        if id(layer) not in seen and layer.dtype_policy.quantization_mode == "float8":
-            seen.add(id(layer))
-            found.append(layer)
-    return found
 
 
 def without_float8(policy):

@@ -291,6 +291,21 @@ class _FakeModel:
         pass
 
 
+def _fake_steps(monkeypatch, step_seconds):
+    """The harness on a fake clock: each step of configuration `name` takes
+    `step_seconds[name]`, and models are `_FakeModel`s of their policy."""
+    clock = {"now": 0.0}
+
+    def run(self, steps):
+        clock["now"] += steps * step_seconds[self.model.config.name]
+        return 0.0
+
+    monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    monkeypatch.setattr(harness._Runner, "run", run)
+    monkeypatch.setattr(harness, "build_model",
+                        lambda workload, config, optimizer="adam": (_FakeModel(config), config.policy))
+
+
 def test_throughput_and_ratios_come_from_the_measured_times(monkeypatch):
     """`time_workload` and `report.ratios` on a fake clock with known step times."""
     from benchmarks import report
@@ -364,16 +379,7 @@ def test_float8_configurations_are_compared_with_the_16_bit_policy_and_keras_flo
         "kmp mixed_bfloat16 + float8": 2.0**-8,
         "keras mixed_bfloat16 + quantize(float8)": 2.0**-9,
     }
-    clock = {"now": 0.0}
-
-    def run(self, steps):
-        clock["now"] += steps * step_seconds[self.model.config.name]
-        return 0.0
-
-    monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
-    monkeypatch.setattr(harness._Runner, "run", run)
-    monkeypatch.setattr(harness, "build_model",
-                        lambda workload, config, optimizer="adam": (_FakeModel(config), config.policy))
+    _fake_steps(monkeypatch, step_seconds)
     workload = workloads.get_workload("mlp", "smoke")
     configs = [harness.find_config(name, False) for name in step_seconds]
     assert [config.float8 for config in configs] == [None, None, None, "kmp", "keras"]
@@ -439,16 +445,7 @@ def test_a_report_of_some_configurations_leaves_blank_what_needs_the_others(monk
     from benchmarks import workloads
 
     step_seconds = {"keras mixed_float16": 2.0**-7, "kmp mixed_float16": 2.0**-8}
-    clock = {"now": 0.0}
-
-    def run(self, steps):
-        clock["now"] += steps * step_seconds[self.model.config.name]
-        return 0.0
-
-    monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
-    monkeypatch.setattr(harness._Runner, "run", run)
-    monkeypatch.setattr(harness, "build_model",
-                        lambda workload, config, optimizer="adam": (_FakeModel(config), config.policy))
+    _fake_steps(monkeypatch, step_seconds)
     workload = workloads.get_workload("mlp", "smoke")
     configs = harness.select_configs(",".join(step_seconds), jit="on")
     rows = harness.time_workload(workload, configs, repeats=3, chunk_seconds=2.0**-4,

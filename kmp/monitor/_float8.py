@@ -61,8 +61,7 @@ class Float8Monitor(keras.callbacks.Callback):
 
     Args:
         x: Optional batch of inputs on which to measure each float8 layer's
-            inputs. Defaults to `None`:
-            the inputs' amax and range only.
+            inputs. Defaults to `None`: the inputs' amax and range only.
         y: Optional targets of `x`: with them, the output gradients'
             saturated and flushed shares are measured too, by a probe step
             at the current loss scale. Give a batch of the training batch

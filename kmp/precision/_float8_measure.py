@@ -12,7 +12,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from kmp import _keras_internals
 from kmp.precision import _float8_probe
 from kmp.precision import _keep_float32
 from kmp.precision._float8_formats import FORMAT_LIMITS
@@ -71,15 +70,16 @@ def stats(model, x=None, y=None, loss=None):
     Keras quantizes:
 
     - `kernel`: always, on the kernel itself.
-    - `inputs`: when `x` is given, on what the layer's matmul receives from `x` (in its compute dtype), all
-      its calls together: read in a forward pass of a copy of the model
+    - `inputs`: when `x` is given, on what the layer's matmul receives
+      from `x` (in its compute dtype), all its calls together: read in a
+      forward pass of a copy of the model
       (the model itself is not changed) whose float8 layers, at any depth,
       keep their inputs, so the layers inside another layer (a
       `MultiHeadAttention`'s projections, the Dense layers of a custom
       layer) are measured as the others are.
     - `outputs_grad`: when `x` and `y` are given to a compiled (or given
-      `loss`) model, by a probe training step on
-      `(x, y)`: one step of the same copy whose loss is multiplied by the
+      `loss`) model, by a probe training step on `(x, y)`: one step of the
+      same copy whose loss is multiplied by the
       current loss scale, as the scaled step's is, and which counts the
       gradient each float8 layer's matmul output receives against its
       `outputs_grad_scale`, at any depth. The loss averages over the

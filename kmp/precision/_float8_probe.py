@@ -68,6 +68,7 @@ from kmp import loss_scale as loss_scale_module
 from kmp.precision._float8_formats import FORMAT_LIMITS
 from kmp.precision._float8_formats import TENSORS
 from kmp.precision import _keep_float32
+from kmp.precision._float8_training import float8_layers
 
 
 def current_loss_scale(model):
@@ -224,11 +225,7 @@ class Float8Probe:
             raise self._copy_error  # copying failed once: it fails again
         functional = isinstance(self.model, (_keras_internals.Functional, keras.Sequential))
         # The counts: one row per float8 layer, at any depth.
-        counts = _TapCounts(
-            sum(layer.dtype_policy.quantization_mode == "float8" for layer in
-                _keras_internals.nested_layers(self.model, include_self=False, recursive=True)),
-            name="float8_probe_counts",
-        )
+        counts = _TapCounts(len(float8_layers(self.model)), name="float8_probe_counts")
         try:
             copy, self._pairs = (_functional_copy(self.model) if functional
                                  else _subclassed_copy(self.model, x, counts))

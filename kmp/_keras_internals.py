@@ -22,7 +22,7 @@ uses it says more):
 | name | here | used by | why |
 |---|---|---|---|
 | `Layer._flatten_layers` | `nested_layers` | `precision/_settle.py`, `precision/_float32_layers.py`, `precision/_keep_float32.py`, `precision/_token_ids.py`, `precision/_layer_dtypes.py`, `convert.py`, `export.py`, `diagnose.py`, `diagnosis/_static.py` | every nested layer, which `model.layers` does not list |
-| `Layer._call_has_training_arg` | `call_takes_training` | `convert.py`, `backends/tensorflow/trainer.py`, `precision/_float8_training.py`, `backends/jax/float8.py` | call a wrapped model, and a model in kmp.Model's own TensorFlow step, as Keras would; whether `fit` puts a subclassed model's float8 layers in training mode |
+| `Layer._call_has_training_arg` | `call_takes_training` | `convert.py`, `backends/tensorflow/trainer.py`, `precision/_float8_training.py`, `precision/_float8_probe.py`, `backends/jax/float8.py` | call a wrapped model, and a model in kmp.Model's own TensorFlow step, as Keras would; whether `fit` puts a subclassed model's float8 layers in training mode |
 | `Layer._build_shapes_dict` | `build_shapes` | `precision/_float8_training.py` | the input shape a subclassed model was built with: `enable`'s check of which float8 layers Keras' JAX `fit` runs in training mode, on a batch of zeros of that shape |
 | `Trainer._compute_loss` | `compute_loss` | `backends/tensorflow/trainer.py` | kmp.Model's own TensorFlow step computes the loss as Keras' step does (an override of `compute_loss` without `training` still works) |
 | `Layer._convert_input_args` | `converts_inputs` | `precision/_settle.py` | whether a float32 layer's consumer casts its outputs back to 16 bits itself |

@@ -351,8 +351,8 @@ def _functional_copy(model):
 def _subclassed_copy(model, x, counts):
     """`(copy, pairs)` of a subclassed `model`: made again from its config
     (as `clone_model` copies one), given the layer `counts` (a built
-    subclassed model takes no new layer), built by a call on the first row of `x`,
-    and its layers paired with the model's in tracking order, which must
+    subclassed model takes no new layer), built by a call on the first row
+    of `x`, and its layers paired with the model's in tracking order, which must
     match class for class and weight shape for weight shape (a float8
     layer's own variables aside: `quantize` adds those to the copy later).
 
@@ -362,7 +362,10 @@ def _subclassed_copy(model, x, counts):
     copy = model.__class__.from_config(model.get_config())
     copy.float8_probe_counts = counts
     row = keras.tree.map_structure(lambda array: array[:1], x)
-    copy(row, training=False) if _keras_internals.call_takes_training(copy) else copy(row)
+    if _keras_internals.call_takes_training(copy):
+        copy(row, training=False)
+    else:
+        copy(row)
     mine = _keras_internals.nested_layers(model, include_self=False, recursive=True)
     theirs = [layer for layer in
               _keras_internals.nested_layers(copy, include_self=False, recursive=True)

@@ -1082,7 +1082,8 @@ def test_input_shares_of_a_model_the_probe_cannot_copy_are_none_with_a_warning()
 
 def test_fit_names_float8_layers_keras_quantize_made_that_would_not_record():
     """Keras' own `model.quantize("float8")` on a `kmp.Model` whose `call`
-    takes no `training`: its first `fit` warns, once, as `enable` would;
+    takes no `training`: its first `fit` warns, once (not again after a
+    recompile), as `enable` would;
     a model whose `call` passes `training` on is not warned about."""
     kmp.set_policy("mixed_bfloat16")
     x, y = _data(32)
@@ -1094,7 +1095,7 @@ def test_fit_names_float8_layers_keras_quantize_made_that_would_not_record():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+            # A new train function: checked already, not said again.
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
             model.fit(x, y, batch_size=32, epochs=1, verbose=0)
         messages = [str(w.message) for w in caught if "kmp.float8: " in str(w.message)]

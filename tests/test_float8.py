@@ -6,7 +6,9 @@ tiny (at most a few thousand weights).
 """
 
 import importlib.util
+import inspect
 import os
+import re
 import warnings
 
 import keras
@@ -165,18 +167,24 @@ def test_enable_quantizes_what_the_plan_says_and_summary_says_why():
 
 def test_keras_without_quantize_filters_gets_the_same_layers_quantized():
     """Keras 3.10's `Model.quantize` takes no `filters`: kmp quantizes the
-    chosen layers one by one, as its loop would, with the same result."""
+    chosen layers one by one, as its loop would, with the same result (on
+    a Keras whose `quantize` takes `filters`, compared with it)."""
     kmp.set_policy("mixed_bfloat16")
     by_filters, by_loop = _mlp("a"), _mlp("b")
-    for model, filters in ((by_filters, True), (by_loop, False)):
+    with_filters = "filters" in inspect.signature(keras.Model.quantize).parameters
+    ways = ((by_filters, True), (by_loop, False)) if with_filters else ((by_loop, False),)
+    for model, filters in ways:
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
         model.predict(_data(8)[0], verbose=0)  # a predict function to be dropped
         targets = {id(model.get_layer(name)) for name in ("up", "mid")}
         float8._quantize(model, targets, filters=filters)
         assert model.predict_function is None
-    policies = [[layer.dtype_policy.name for layer in model.layers] for model in (by_filters, by_loop)]
-    assert policies[0] == policies[1]
     assert [layer.name for layer in float8.float8_layers(by_loop)] == ["up", "mid"]
+    assert by_loop.get_layer("up").dtype_policy.name == "float8_from_mixed_bfloat16"
+    if with_filters:
+        policies = [[layer.dtype_policy.name for layer in model.layers]
+                    for model in (by_filters, by_loop)]
+        assert policies[0] == policies[1]
 
 
 def test_summary_says_which_layer_exclude_left_out():
@@ -1198,7 +1206,8 @@ def test_a_subclassed_model_its_config_cannot_make_again_is_named_as_uncopyable(
     with pytest.warns(UserWarning, match="'tower' cannot be copied") as caught:
         figures = float8.stats(model, x)
     message = str(caught[0].message)
-    assert "NotImplementedError" in message and "Please implement `get_config()`" in message
+    # Keras' own reason, in its words (it says so differently across releases).
+    assert re.search(r"'tower' cannot be copied \((NotImplementedError|TypeError): ", message)
     assert "Received: model of type _TowerWithAFunction" in message
     assert figures["tower/up"]["inputs"]["saturated"] is None
     assert figures["tower/up"]["kernel"]["saturated"] is not None

@@ -49,9 +49,9 @@ on the copy's instance, never on the model's nor on a Keras class, the
 probe sets `activation` to `None` and `quantized_call` to a function that
 calls the class's `quantized_call`, then the tap, then the activation; in
 `layer_calls`' forward pass it keeps the call's inputs and output instead
-of tapping, and that pass returns them. The counts live in a layer
-attached to the copy outside its graph (a functional model takes one so),
-which makes them variables of the copy's step.
+of tapping, and that pass returns them. The counts live in a layer held,
+beside the copy, by the model the probe step trains (`_ProbeStep`), which
+makes them variables of that step.
 
 A float8 layer called more than once has all its calls read, and counts
 the gradients of all of them together; one the copy does not call on `x`
@@ -125,6 +125,24 @@ def _count_output_gradient(outputs, scale, counts):
         return outputs, grad
 
     return tap(outputs, counts)
+
+
+class _ProbeStep(keras.Model):
+    """The probe's copy and its counts, in one model: `output_gradients`
+    trains one step of it, whose variables, and so whose "gradients", are
+    the copy's and the counts' (a layer set on a built model after the fact
+    is not one of its variables in every Keras kmp admits)."""
+
+    def __init__(self, model_copy, counts, **kwargs):
+        super().__init__(**kwargs)
+        self.model_copy = model_copy
+        self.counts = counts
+        self.built = True  # its layers are built
+
+    def call(self, x, training=False):
+        if _keras_internals.call_takes_training(self.model_copy):
+            return self.model_copy(x, training=training)
+        return self.model_copy(x)
 
 
 class _CallRecord:
@@ -228,7 +246,7 @@ class Float8Probe:
         counts = _TapCounts(len(float8_layers(self.model)), name="float8_probe_counts")
         try:
             copy, self._pairs = (_functional_copy(self.model) if functional
-                                 else _subclassed_copy(self.model, x, counts))
+                                 else _subclassed_copy(self.model, x))
         except Exception as error:
             self._copy_error = CopyError(
                 "Measuring float8 layers' inputs and output gradients copies the "
@@ -255,14 +273,7 @@ class Float8Probe:
             self._counts[label] = row
             self._records[label] = _CallRecord()
             _tap(copied, row, self._records[label])
-        # The counts layer is one of the copy's layers outside its graph: its
-        # variables are the step's, which writes the counts into them. A
-        # functional model made anew from the copy's layers takes it so; a
-        # subclassed copy took it before it was built.
-        self._copy = copy
-        if functional:
-            self._copy = keras.Model(copy.inputs, copy.outputs)
-            self._copy.float8_probe_counts = counts
+        self._copy = _ProbeStep(copy, counts, name="float8_probe_step")
         self._layer_calls = _LayerCalls(copy, self._records, name="float8_probe_calls")
 
     def _copy_weights(self, x):
@@ -348,11 +359,10 @@ def _functional_copy(model):
     return copy, pairs
 
 
-def _subclassed_copy(model, x, counts):
+def _subclassed_copy(model, x):
     """`(copy, pairs)` of a subclassed `model`: made again from its config
-    (as `clone_model` copies one), given the layer `counts` (a built
-    subclassed model takes no new layer), built by a call on the first row
-    of `x`, and its layers paired with the model's in tracking order, which must
+    (as `clone_model` copies one), built by a call on the first row of
+    `x`, and its layers paired with the model's in tracking order, which must
     match class for class and weight shape for weight shape (a float8
     layer's own variables aside: `quantize` adds those to the copy later).
 
@@ -360,16 +370,13 @@ def _subclassed_copy(model, x, counts):
         ValueError: if the copy's layers are not the model's.
     """
     copy = model.__class__.from_config(model.get_config())
-    copy.float8_probe_counts = counts
     row = keras.tree.map_structure(lambda array: array[:1], x)
     if _keras_internals.call_takes_training(copy):
         copy(row, training=False)
     else:
         copy(row)
     mine = _keras_internals.nested_layers(model, include_self=False, recursive=True)
-    theirs = [layer for layer in
-              _keras_internals.nested_layers(copy, include_self=False, recursive=True)
-              if layer is not counts]
+    theirs = _keras_internals.nested_layers(copy, include_self=False, recursive=True)
     pairs = list(zip(mine, theirs))
     if len(mine) != len(theirs) or any(
         type(layer) is not type(copied) or _shapes(layer) != _shapes(copied)

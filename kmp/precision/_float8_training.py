@@ -46,8 +46,9 @@ _CHECKED = weakref.WeakSet()
 def warn_if_not_recording(model, stacklevel=2):
     """Warns, once per model, where `fit` would run some of `model`'s
     float8 layers without `training=True` (see `_training_mode_caveat`).
-    `kmp.float8.enable` calls it, and `kmp.Model` when it makes its train function
-    (float8 layers quantized by Keras' own `model.quantize("float8")`)."""
+    `kmp.float8.enable` calls it, and `kmp.Model` when it makes its train
+    function (float8 layers quantized by Keras' own
+    `model.quantize("float8")`)."""
     if model in _CHECKED or not float8_layers(model):
         return
     _CHECKED.add(model)

@@ -1096,7 +1096,7 @@ def test_fit_names_float8_layers_keras_quantize_made_that_would_not_record():
     kmp.set_policy("mixed_bfloat16")
     x, y = _data(32)
     for model_class, expected in ((_SubclassedWithoutTraining, 1), (_Subclassed, 0)):
-        model = model_class(forward=True, name="net") if expected == 0 else model_class(name="net")
+        model = model_class(forward=expected == 0, name="net")
         model(x[:1])
         model.quantize("float8")
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
@@ -1257,7 +1257,7 @@ def test_float8_layers_that_run_without_training_are_named_at_enable_and_by_the_
     says anything."""
     recorded = warned is None
     kmp.set_policy("mixed_bfloat16")
-    model = model_class(forward=forward, name="net") if forward else model_class(name="net")
+    model = model_class(forward=forward, name="net")
     x, y = _data(32)
     model(x[:1])
     with warnings.catch_warnings(record=True) as caught:

@@ -370,11 +370,8 @@ def _subclassed_copy(model, x):
         ValueError: if the copy's layers are not the model's.
     """
     copy = model.__class__.from_config(model.get_config())
-    row = keras.tree.map_structure(lambda array: array[:1], x)
-    if _keras_internals.call_takes_training(copy):
-        copy(row, training=False)
-    else:
-        copy(row)
+    # Keras drops `training` where `call` takes none (as `_LayerCalls` relies on).
+    copy(keras.tree.map_structure(lambda array: array[:1], x), training=False)
     mine = _keras_internals.nested_layers(model, include_self=False, recursive=True)
     theirs = _keras_internals.nested_layers(copy, include_self=False, recursive=True)
     pairs = list(zip(mine, theirs))

@@ -241,6 +241,7 @@ def test_links_planted_at_temporary_names_are_never_written_through(tmp_path, mo
         {"wait": True},
         {"best": "low"},
         {"best": float("nan")},
+        {"best": 10**400},  # an integer no float holds: EarlyStopping would raise mid-fit
         {"cooldown_counter": 2},  # a counter ModelCheckpoint does not have
     ],
 )
@@ -516,6 +517,81 @@ def test_malformed_metadata_is_one_value_error_naming_file_key_and_value(
         assert f"Received: {value}" in message, message
     assert _fit.last_probe.begun == []  # nothing trained
     assert _snapshot(backup_dir) == before  # nothing deleted
+
+
+def test_a_folder_keras_own_callback_wrote_is_refused_and_left_as_it_is(tmp_path):
+    # Keras' BackupAndRestore writes {"epoch", "batch"} and latest.weights.h5:
+    # a file kmp never writes, so never reads (it once loaded it, unchecked).
+    backup_dir = tmp_path / "backup"
+    x, y = _data()
+    _model().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False)])
+    assert {"latest.weights.h5", "training_metadata.json"} <= set(os.listdir(backup_dir))
+    before = _snapshot(backup_dir)
+    with pytest.raises(ValueError, match=r"names no weights file \(`weights` is absent\)") as info:
+        _fit(backup_dir, 4)
+    assert repr(str(backup_dir / "training_metadata.json")) in str(info.value)
+    assert "Keras' own BackupAndRestore" in str(info.value)
+    assert _fit.last_probe.begun == []  # nothing trained
+    assert int(_fit.last_model.optimizer.iterations) == 0  # nothing restored
+    assert _snapshot(backup_dir) == before  # nothing deleted or written
+
+
+def test_deeply_nested_metadata_is_a_value_error_naming_the_file(tmp_path):
+    backup_dir = tmp_path / "backup"
+    backup_dir.mkdir()
+    metadata_path = backup_dir / "training_metadata.json"
+    metadata_path.write_text("[" * 100_000 + "]" * 100_000)  # under the size limit
+    with pytest.raises(ValueError, match="not valid JSON") as info:
+        _fit(backup_dir, 2)
+    assert repr(str(metadata_path)) in str(info.value)
+    assert _fit.last_probe.begun == []
+
+
+@pytest.fixture
+def no_hang():
+    """Fails a test whose call blocks (a FIFO opened for reading waits for a
+    writer forever) instead of hanging the suite."""
+
+    def hung(signum, frame):
+        raise TimeoutError("blocked for 60 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this OS")
+@pytest.mark.parametrize("name", ["training_metadata.json", "weights"])
+def test_a_fifo_at_a_name_kmp_reads_is_refused_without_waiting(tmp_path, name, kept_backup, no_hang):
+    backup_dir = tmp_path / "backup"
+    metadata = kept_backup(backup_dir)
+    name = metadata["weights"] if name == "weights" else name
+    os.remove(backup_dir / name)
+    os.mkfifo(backup_dir / name)
+    with pytest.raises(ValueError, match="not a regular file") as info:
+        _fit(backup_dir, 4)
+    assert repr(str(backup_dir / name)) in str(info.value)
+    assert _fit.last_probe.begun == []
+
+
+def test_a_hard_link_at_the_lock_name_is_refused_and_its_file_kept(tmp_path):
+    # A hard link is a regular file: kmp would write its pid into the other
+    # name's file, outside the folder.
+    backup_dir = tmp_path / "backup"
+    backup_dir.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's own data\n")
+    try:
+        os.link(precious, backup_dir / "kmp-backup.lock")
+    except OSError as error:
+        pytest.skip(f"this file system has no hard links ({error})")
+    with pytest.raises(ValueError, match=r"not a regular file of its own \(it has 2 names"):
+        _fit(backup_dir, 2)
+    assert precious.read_text() == "the user's own data\n"
+    assert _fit.last_probe.begun == []
 
 
 def test_a_backup_of_another_architecture_names_the_file_and_the_variables(tmp_path):

@@ -163,6 +163,31 @@ def test_csv_is_flushed_at_each_epoch_end(tmp_path):
     assert [int(r["step"]) for r in _rows(csv_path)] == list(range(1, 11))
 
 
+def test_links_at_the_csv_and_plot_paths_are_replaced_not_written_through(tmp_path):
+    pytest.importorskip("matplotlib")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's own data\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("steps.csv", "scale.png"):
+        (run / name).symlink_to(precious)
+    monitor = kmp.callbacks.LossScaleMonitor(
+        csv_path=run / "steps.csv", plot_path=run / "scale.png", verbose=0)
+    _fit(_model(), _data(5), callbacks=[monitor])
+    assert precious.read_text() == "the user's own data\n"
+    assert not (run / "steps.csv").is_symlink() and not (run / "scale.png").is_symlink()
+    assert [int(r["step"]) for r in _rows(run / "steps.csv")] == [1, 2, 3, 4, 5]
+    assert (run / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in run.iterdir()) == ["scale.png", "steps.csv"]  # no temporaries
+
+
+@pytest.mark.parametrize("name", ["csv_path", "plot_path"])
+def test_a_folder_given_as_a_file_path_is_refused_when_made(tmp_path, name):
+    with pytest.raises(ValueError, match=f"`{name}` must be the path of a file to write, but "
+                       "it names an existing folder"):
+        kmp.callbacks.LossScaleMonitor(**{name: tmp_path})
+
+
 def test_stops_after_consecutive_forward_overflows(capsys):
     model = _model()
     monitor = kmp.callbacks.LossScaleMonitor(max_consecutive_skips=3, warn_skip_rate=None)

@@ -20,6 +20,7 @@ import secrets
 
 NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+NON_BLOCK = getattr(os, "O_NONBLOCK", 0)
 PARTIAL_MARK = ".partial"
 
 
@@ -34,6 +35,14 @@ def split_suffix(filepath):
 def same_file(a, b):
     """Whether two `os.stat` results are of one file."""
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def open_for_reading(path):
+    """A read-only descriptor of `path`, opened without following a link and
+    without waiting: opening a FIFO planted at a name kmp reads would
+    otherwise wait forever for a writer. Callers refuse what `os.fstat`
+    says is not a regular file (on which `O_NONBLOCK` changes nothing)."""
+    return os.open(path, os.O_RDONLY | NO_FOLLOW | CLOEXEC | NON_BLOCK)
 
 
 def fsync_path(path, directory=False):
@@ -82,6 +91,21 @@ def create_partial(filepath):
     )
 
 
+def replace_with_new_file(filepath):
+    """A descriptor, open for writing, of a new empty file moved onto
+    `filepath`: whatever sat there (a file, a link) is replaced, never
+    truncated or written through. For files written as they go (a CSV a row
+    at a time), which cannot be moved into place once complete."""
+    fd, partial = create_partial(filepath)
+    try:
+        os.replace(partial, filepath)
+    except BaseException:
+        os.close(fd)
+        os.remove(partial)
+        raise
+    return fd
+
+
 def write_then_replace(filepath, write_fd=None, write_path=None):
     """Writes a new file and moves it onto `filepath`; returns `filepath`.
 
@@ -112,6 +136,17 @@ def write_then_replace(filepath, write_fd=None, write_path=None):
         raise
     fsync_path(os.path.dirname(filepath) or ".", directory=True)
     return filepath
+
+
+def write_bytes_then_replace(filepath, data):
+    """`write_then_replace` of the bytes `data`; returns `filepath`."""
+
+    def write(fd):
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+    return write_then_replace(filepath, write_fd=write)
 
 
 def link_then_replace(source, target):

@@ -78,15 +78,31 @@ class FolderLock:
             try:
                 fd = os.open(self.path, flags, 0o644)
             except OSError as error:
+                if os.path.islink(self.path):
+                    raise ValueError(
+                        f"The backup lock {self.path!r} is a symbolic link; it "
+                        "must be the regular file kmp creates there. Delete it "
+                        f"if no run uses {self.folder!r}."
+                    ) from None
                 raise ValueError(
-                    f"The backup lock {self.path!r} cannot be opened ({error}); "
-                    "it must be a regular file, not a link. Delete it if no run "
-                    f"uses {self.folder!r}."
+                    f"The backup lock {self.path!r} cannot be created or opened "
+                    f"({error}): kmp needs to write it in the backup folder "
+                    f"{self.folder!r}."
                 ) from None
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 0:
+                os.close(fd)  # Deleted by its holder since our open.
+                continue
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+                # A hard link is a regular file too, but its other name may
+                # be anybody's file: kmp writes its name into the lock.
                 os.close(fd)
                 raise ValueError(
-                    f"The backup lock {self.path!r} is not a regular file. "
+                    f"The backup lock {self.path!r} is not a regular file of "
+                    "its own (" + (
+                        f"it has {info.st_nlink} names: hard links"
+                        if stat.S_ISREG(info.st_mode) else "a folder, FIFO or device"
+                    ) + "); kmp writes only into the lock file it creates. "
                     f"Delete it if no run uses {self.folder!r}."
                 )
             if fcntl is None:

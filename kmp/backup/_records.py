@@ -49,12 +49,11 @@ def is_own_file(name):
 
 def backup_number(entry):
     """The `<n>` of the `backup-<n>.weights.h5` a metadata entry names; -1
-    for no entry, 0 for Keras' own layout (`latest.weights.h5`). Entries are
-    validated (`check_metadata`) before this is asked."""
+    for no entry. Entries are validated (`check_metadata`) before this is
+    asked, so each names its weights."""
     if not entry:
         return -1
-    match = BACKUP_PATTERN.match(entry.get("weights", ""))
-    return int(match.group(1)) if match else 0
+    return int(BACKUP_PATTERN.match(entry["weights"]).group(1))
 
 
 def monitor_state(monitor):
@@ -107,6 +106,21 @@ def _is_count(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _shown(value, limit=300):
+    """`repr(value)`, cut to `limit` characters."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+def _is_float_or_infinity(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return not math.isnan(float(value))
+    except OverflowError:
+        return False
+
+
 def _check_monitor_states(states):
     """The problem with a metadata `monitors` entry, or `None`."""
     if not isinstance(states, list):
@@ -121,17 +135,15 @@ def _check_monitor_states(states):
                     f"{index} has {name!r})"
                 )
             if name == "best":
-                # Keras' own initial `best` is None or +-inf; NaN never is.
-                ok = value is None or (
-                    isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                    and not math.isnan(value)
-                )
+                # Keras' own initial `best` is None or +-inf; NaN never is,
+                # nor an integer no float holds (EarlyStopping compares it
+                # with a float metric).
+                ok = value is None or _is_float_or_infinity(value)
             else:
                 ok = value is None or _is_count(value)
             if not ok:
                 return (
-                    f"numbers (item {index} has {name}={value!r}; `best` is a "
+                    f"numbers (item {index} has {name}={_shown(value, 40)}; `best` is a "
                     "number, the others are counts >= 0)"
                 )
     return None
@@ -154,24 +166,21 @@ _METADATA_KEYS = {
 
 def check_metadata(metadata, path, prefix=""):
     """Raises a `ValueError` naming `path`, the key and the value for
-    metadata that kmp (or Keras, for its own layout) would not have written."""
+    metadata that kmp would not have written."""
 
     def refuse(key, value, expected):
-        shown = repr(value)
-        shown = shown if len(shown) <= 300 else shown[:297] + "..."
         raise ValueError(
             f"The backup metadata {path!r} is not valid: `{prefix}{key}` must "
-            f"be {expected}. Received: {prefix}{key}={shown}. It was not "
+            f"be {expected}. Received: {prefix}{key}={_shown(value)}. It was not "
             "written by kmp.callbacks.BackupAndRestore; nothing was restored. "
             "Delete the backup directory to start over."
         )
 
     if not isinstance(metadata, dict):
-        shown = repr(metadata)
         raise ValueError(
             f"The backup metadata {path!r} is not valid: it must be a JSON "
             "object with the keys epoch, batch, weights, sha256, monitors and "
-            f"previous. Received: {shown if len(shown) <= 80 else shown[:77] + '...'}. "
+            f"previous. Received: {_shown(metadata, 80)}. "
             "Delete the backup directory to start over."
         )
     allowed = set(_METADATA_KEYS) | {"monitors"} | ({"previous"} if not prefix else set())
@@ -180,6 +189,17 @@ def check_metadata(metadata, path, prefix=""):
             refuse(key, metadata[key], f"absent (the keys are {', '.join(sorted(allowed))})")
     if "epoch" not in metadata:
         refuse("epoch", None, "present, " + _METADATA_KEYS["epoch"][0])
+    if "weights" not in metadata:
+        # Keras' own BackupAndRestore writes `{"epoch", "batch"}` beside its
+        # `latest.weights.h5`: a file kmp never wrote, so never reads.
+        raise ValueError(
+            f"The backup metadata {path!r} names no weights file (`{prefix}weights` "
+            f"is absent), as the metadata of Keras' own BackupAndRestore does: "
+            "kmp.callbacks.BackupAndRestore resumes only from the "
+            "backup-<n>.weights.h5 files it wrote. Nothing was restored. Resume "
+            "with the callback that wrote this folder, or give this run "
+            "another backup_dir (or delete this one) to start over."
+        )
     for key, (expected, check) in _METADATA_KEYS.items():
         if key in metadata and not check(metadata[key]):
             refuse(key, metadata[key], expected)
@@ -198,7 +218,7 @@ def read_metadata(path):
     """The checked metadata at `path` (a regular file, not a link), or
     `None` if there is none."""
     try:
-        fd = os.open(path, os.O_RDONLY | _atomic_files.NO_FOLLOW | _atomic_files.CLOEXEC)
+        fd = _atomic_files.open_for_reading(path)
     except FileNotFoundError:
         return None
     except OSError as error:
@@ -223,10 +243,12 @@ def read_metadata(path):
         os.close(fd)
     try:
         metadata = json.loads(data.decode("utf-8"))
-    except ValueError:
+    except (ValueError, RecursionError):
+        # What was read is not shown: the file at this name may not be
+        # one kmp wrote (a link to another file).
         raise ValueError(
-            f"The backup metadata {path!r} is not valid JSON (received "
-            f"{data[:80]!r}); it was not written by "
+            f"The backup metadata {path!r} is not valid JSON ({len(data)} "
+            "bytes); it was not written by "
             "kmp.callbacks.BackupAndRestore, which replaces it atomically. "
             "Delete the backup directory to start over."
         ) from None
@@ -236,14 +258,7 @@ def read_metadata(path):
 
 def write_metadata(path, metadata):
     """Replaces the metadata at `path` atomically."""
-    data = json.dumps(metadata).encode()
-
-    def write(fd):
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-
-    _atomic_files.write_then_replace(path, write_fd=write)
+    _atomic_files.write_bytes_then_replace(path, json.dumps(metadata).encode())
 
 
 def sha256_of_fd(fd):
@@ -257,7 +272,7 @@ def sha256_of_fd(fd):
 
 def sha256(path):
     """The SHA-256 of the file at `path`, opened without following a link."""
-    fd = os.open(path, os.O_RDONLY | _atomic_files.NO_FOLLOW | _atomic_files.CLOEXEC)
+    fd = _atomic_files.open_for_reading(path)
     try:
         return sha256_of_fd(fd)
     finally:

@@ -28,7 +28,7 @@ def _open_backup(folder, name, metadata_path):
         "the backup directory to start over."
     )
     try:
-        fd = os.open(path, os.O_RDONLY | _atomic_files.NO_FOLLOW | _atomic_files.CLOEXEC)
+        fd = _atomic_files.open_for_reading(path)
     except OSError as error:
         if os.path.islink(path):
             raise UnsafeBackupError(refusal.format("a symbolic link")) from None
@@ -59,18 +59,15 @@ def load_backup(model, folder, candidate, backup_dir):
             entry's, or it does not match the model.
     """
     metadata_path = folder.metadata_path
-    fd, weights_path = _open_backup(
-        folder.path, candidate.get("weights", "latest.weights.h5"), metadata_path
-    )
+    fd, weights_path = _open_backup(folder.path, candidate["weights"], metadata_path)
     try:
         checked = os.fstat(fd)
         expected = candidate.get("sha256")
         if expected is None:
             warnings.warn(
                 f"The backup {weights_path!r} has no checksum in "
-                f"{metadata_path!r} (it was written by Keras "
-                "or by an older kmp); it is restored without an integrity "
-                "check.",
+                f"{metadata_path!r} (it was written by an older kmp); it is "
+                "restored without an integrity check.",
                 # BackupAndRestore's `_kmp_load_backup`, past the choice of
                 # backup and the callback's `_restore`.
                 stacklevel=4,

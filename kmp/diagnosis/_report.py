@@ -2,8 +2,10 @@
 
 import json
 import math
+import os
 
 from kmp._format import format_scale
+from kmp.backup import _atomic_files
 from kmp.diagnosis._probe import MIN_SCALE_EXPONENT
 
 
@@ -133,8 +135,9 @@ class DiagnosisReport:
         """
         text = json.dumps(_json_safe(self.to_dict()), indent=indent)
         if path is not None:
-            with open(path, "w") as file:
-                file.write(text + "\n")
+            # A new file moved onto `path` (a link there is replaced, not
+            # written through), as kmp's other one-shot files are.
+            _atomic_files.write_bytes_then_replace(os.fspath(path), (text + "\n").encode())
         return text
 
     def __repr__(self):

@@ -27,6 +27,12 @@ def check_path(name, value):
             f"`{name}` must be a file path (str or os.PathLike) or None. "
             f"Received: {name}={value!r} of type {type(value).__name__}"
         )
+    if value is not None and os.path.isdir(value):
+        # Found now, not after the whole fit, when the file is written.
+        raise ValueError(
+            f"`{name}` must be the path of a file to write, but it names an "
+            f"existing folder. Received: {name}={os.fspath(value)!r}"
+        )
 
 
 def _is_integer(value, minimum):

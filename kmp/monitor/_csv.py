@@ -4,6 +4,7 @@ import csv
 import math
 import os
 
+from kmp.backup import _atomic_files
 from kmp.monitor import _messages as messages
 
 CSV_COLUMNS = ("step", "loss", "loss_scale", "skipped", "reason", "nonfinite_variables")
@@ -35,7 +36,10 @@ class StepCsv:
         directory = os.path.dirname(self._path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._file = open(self._path, "w", newline="")
+        # A new file replaces whatever is at the path (a link planted there
+        # is not written through), as `open(path, "w")` would truncate it.
+        self._file = os.fdopen(
+            _atomic_files.replace_with_new_file(os.fspath(self._path)), "w", newline="")
         self._writer = csv.writer(self._file)
         self._writer.writerow(CSV_COLUMNS)
         self._file.flush()

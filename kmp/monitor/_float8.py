@@ -11,6 +11,7 @@ import os
 import keras
 import numpy as np
 
+from kmp.backup import _atomic_files
 from kmp.monitor._arguments import check_path
 from kmp.monitor._plot import matplotlib_figure
 from kmp.monitor._plot import save_figure
@@ -127,6 +128,7 @@ class Float8Monitor(keras.callbacks.Callback):
         self.print_fn = print_fn or print
         self.history = []
         self._probe = None
+        self._csv = None
 
     def get_config(self):
         """The constructor's arguments but `x`, `y` and `print_fn` (data and
@@ -142,9 +144,19 @@ class Float8Monitor(keras.callbacks.Callback):
         self.history = []
         # One probe per fit: its copy of the model is made at the first epoch's end.
         self._probe = probe_for(self.model, self.x, self.y)
+        self._close_csv()
         if self.csv_path is not None:
-            with open(self.csv_path, "w", encoding="utf-8") as file:
-                file.write(",".join(self.CSV_COLUMNS) + "\n")
+            # A new file replaces whatever is at the path (a link planted
+            # there is not written through); kept open for the epochs' rows.
+            self._csv = os.fdopen(_atomic_files.replace_with_new_file(
+                os.fspath(self.csv_path)), "w", encoding="utf-8")
+            self._csv.write(",".join(self.CSV_COLUMNS) + "\n")
+            self._csv.flush()
+
+    def _close_csv(self):
+        if self._csv is not None:
+            self._csv.close()
+        self._csv = None
 
     def on_epoch_end(self, epoch, logs=None):
         figures = measure(self.model, self.x, self.y, self._probe)
@@ -182,18 +194,19 @@ class Float8Monitor(keras.callbacks.Callback):
                     lines.append(f"  {layer} {tensor}: {', '.join(problems)}")
         if lines:
             self.print_fn(f"Float8Monitor, epoch {epoch + 1}:\n" + "\n".join(lines))
-        if self.csv_path is not None:
-            with open(self.csv_path, "a", encoding="utf-8") as file:
-                for layer, tensors in figures.items():
-                    for tensor, values in tensors.items():
-                        cells = [str(epoch + 1), layer, tensor] + [
-                            "" if values[key] is None else repr(values[key])
-                            for key in self.CSV_COLUMNS[3:]
-                        ]
-                        file.write(",".join(cells) + "\n")
+        if self._csv is not None:
+            for layer, tensors in figures.items():
+                for tensor, values in tensors.items():
+                    cells = [str(epoch + 1), layer, tensor] + [
+                        "" if values[key] is None else repr(values[key])
+                        for key in self.CSV_COLUMNS[3:]
+                    ]
+                    self._csv.write(",".join(cells) + "\n")
+            self._csv.flush()
 
     def on_train_end(self, logs=None):
         self._probe = None  # its copy of the model: not kept past the fit
+        self._close_csv()
         if self.plot_path is not None and self.history:
             write_plot(self.plot_path, self.history)
 

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 
 from kmp import _user_line
+from kmp.backup import _atomic_files
 from kmp.monitor._ledger import REASON_FORWARD
 
 
@@ -40,7 +41,11 @@ def save_figure(figure, path):
     directory = os.path.dirname(os.fspath(path))
     if directory:
         os.makedirs(directory, exist_ok=True)
-    figure.savefig(path, format="png")
+    # Written under a new name, then moved onto `path`: a file whose
+    # writing was cut short never sits at `path`, and a link planted there
+    # is replaced, not written through.
+    _atomic_files.write_then_replace(
+        os.fspath(path), write_path=lambda partial: figure.savefig(partial, format="png"))
 
 
 def write_plot(path, history):

@@ -34,6 +34,7 @@ uses it says more):
 | `BackupAndRestore._current_epoch`, `_last_batch_seen`, `_training_metadata_path` | `BackupAndRestoreBase`'s `_kmp_*` properties | `checkpoint.py` | the epoch and batch a backup records, which Keras' `on_epoch_end` and `_should_save_on_batch` keep too, reset at each `on_train_begin`; where kmp records them |
 | `ModelCheckpoint._save_model` (overridden), `_get_file_path`, `_should_save_model` | `ModelCheckpointBase` | `checkpoint.py` | the save Keras' callback calls for every checkpoint: the file and whether to save stay Keras', the write is kmp's atomic one (`_kmp_write_checkpoint`) |
 | `Tensor._keras_logits` | `keep_logits` | `precision/_float32_layers.py` | the logits Keras' softmax/sigmoid leave on their output, carried over kmp's float32 output cast so that Keras' cross-entropies still differentiate from logits (a cast hid them, and `log(p)`'s gradient overflowed float16 where Keras' did not) |
+| `keras.src.backend.common.masking` (`get_keras_mask`, `set_keras_mask`) | `keep_mask` | `precision/_float32_layers.py` | the mask a masking layer (`Embedding(mask_zero=True)`, `Masking`) leaves on a model's output, which Keras' compiled loss and metrics weight by, carried over kmp's float32 output cast (the cast dropped it, and padded steps counted in the loss) |
 | `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `scaling/_step.py`, `backends/jax/step.py`, `monitor/_steps.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
 | `Optimizer._filter_empty_gradients` | `filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
 | `Optimizer._get_variable_index` | `variable_index` | `scaling/_step.py` | which variable overflowed, for the monitor |
@@ -58,6 +59,8 @@ holding an embedding hands float32 ids on unrounded.
 """
 
 import keras
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.export.export_utils import get_input_signature
 from keras.src.losses.loss import unscale_loss_for_distribution
@@ -117,6 +120,20 @@ def keep_logits(source, result):
         result._keras_logits = keras.ops.cast(logits, result.dtype)
     except AttributeError:  # a tensor type that takes no attributes
         pass
+    return result
+
+
+def keep_mask(source, result):
+    """Carries `source`'s Keras mask over to `result`, its dtype cast.
+
+    A masking layer leaves its mask on its output (an attribute, or Keras'
+    own table where a tensor takes none, as JAX arrays); a model's output
+    keeps it, and Keras' compiled loss and metrics weight by it (padded time
+    steps count for nothing). A cast makes a new tensor without it.
+    """
+    mask = get_keras_mask(source)
+    if mask is not None and result is not source:
+        set_keras_mask(result, mask)
     return result
 
 

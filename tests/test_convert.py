@@ -9,6 +9,7 @@ import pytest
 
 from _helpers import DtypeProbe
 import kmp
+from kmp import _keras_internals
 from kmp.convert import _WrappedModel
 from kmp.model import FunctionalModel
 
@@ -350,3 +351,39 @@ def test_keras_hub_backbone_converts_and_the_original_still_runs():
     wrapped(tokens)
     assert _policies(backbone) == before
     assert _dtype(backbone(tokens)["pooled_output"]) == "float32"
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("how", ["kmp.Model", "kmp.convert"])
+def test_the_output_mask_still_weights_the_loss_and_metrics(policy, how):
+    # Padded steps (id 0) carry huge targets: counted, they dominate the loss.
+    # kmp's float32 output cast once dropped the mask Keras' loss and metrics
+    # weight by (the mask is on the output, not a cast of it).
+    kmp.set_policy(policy)
+    ids = np.array([[5, 6, 0, 0], [7, 0, 0, 0]], "int32")
+    targets = np.where(ids[..., None] == 0, 100.0, 0.5).astype("float32")
+    inputs = keras.Input((None,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4, mask_zero=True, embeddings_initializer="ones")(inputs)
+    head = keras.layers.Dense(1, kernel_initializer="zeros", bias_initializer="zeros", name="head")
+    if how == "kmp.Model":
+        model = kmp.Model(inputs, head(hidden))
+    else:
+        model = kmp.convert(keras.Model(inputs, head(hidden)))
+    model.compile("sgd", "mse", metrics=["mae"])
+    outputs = model(ids)
+    assert _dtype(outputs) == "float32"
+    mask = keras.ops.convert_to_numpy(_keras_internals.get_keras_mask(outputs))
+    np.testing.assert_array_equal(mask, ids != 0)
+    # Outputs are 0: the masked mse and mae over the 3 real steps (Keras
+    # divides the masked sum by the number of real steps).
+    loss, mae = model.evaluate(ids, targets, verbose=0)
+    assert loss == pytest.approx(0.25) and mae == pytest.approx(0.5)
+    first = model.train_on_batch(ids, targets, return_dict=True)
+    assert first["loss"] == pytest.approx(0.25)
+    # d(loss)/d(output) = 2 * (0 - 0.5) / 3 on each real step, whose
+    # embedding is 1: kernel and bias step by 0.01 * 1 (the 5 padded steps
+    # unmasked would make it 1.254).
+    head = model.get_layer("head")  # kmp.convert's model has layers of its own
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(head.kernel), np.full((4, 1), 0.01),
+                               rtol=1e-2)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(head.bias), [0.01], rtol=1e-2)

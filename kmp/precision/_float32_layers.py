@@ -238,8 +238,10 @@ def _cast_floats(structure, dtype):
             and keras.backend.standardize_dtype(x.dtype) != dtype
         ):
             # Keeps the logits behind a softmax output, which Keras'
-            # cross-entropies differentiate from (see keep_logits).
-            return _keras_internals.keep_logits(x, keras.ops.cast(x, dtype))
+            # cross-entropies differentiate from (see keep_logits), and the
+            # mask Keras' loss and metrics weight by (see keep_mask).
+            result = _keras_internals.keep_logits(x, keras.ops.cast(x, dtype))
+            return _keras_internals.keep_mask(x, result)
         return x
 
     return keras.tree.map_structure(cast, structure)

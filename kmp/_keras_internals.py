@@ -48,6 +48,7 @@ uses it says more):
 | `tf.compat.v1.get_default_graph` | `default_graph` | `backends/tensorflow/step.py` | whether a recorded loss belongs to the graph being traced |
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `backends/jax/trainer.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
 | `Trainer._loss_tracker` | `loss_tracker` | `backends/tensorflow/trainer.py`, `backends/jax/trainer.py` | whether a step computed a loss, for the loss a skipped step logs |
+| `Trainer._flatten_metrics_in_order` | `logs_as_list` | `model.py` | `train_on_batch`'s list, made as Keras makes it, from the logs without kmp's scaler entries |
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
 | `Trainer._get_metrics_result_or_logs` (overridden) | `ModelBase` | `model.py` | the epoch's end, before `fit` reads its logs: the batches kmp's XLA train function redoes one call later are redone (`_kmp_finish_epoch`) |
 | `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
@@ -135,6 +136,13 @@ def keep_mask(source, result):
     if mask is not None and result is not source:
         set_keras_mask(result, mask)
     return result
+
+
+def logs_as_list(model, logs):
+    """The list (or single value) Keras' `train_on_batch` returns for `logs`
+    without `return_dict`: the metrics in `metrics_names` order, then the
+    other entries by name."""
+    return model._flatten_metrics_in_order(logs)
 
 
 # --- a model's layers, nested ones included ---

@@ -403,6 +403,22 @@ class Model(_keras_internals.ModelBase):
         """
         return [_to_float32(loss) for loss in super().losses]
 
+    def train_on_batch(self, *args, return_dict=False, **kwargs):
+        """`keras.Model.train_on_batch`, returning what Keras returns.
+
+        With `return_dict=True` the dict holds the step's logs, the loss
+        scaler's `loss_scale` and `skipped_steps` among them (as in `fit`'s
+        History). Without, the list (or the single loss) has exactly the
+        values Keras' would, in its order, so that `loss, accuracy =
+        model.train_on_batch(x, y)` unpacks as written for Keras.
+        """
+        logs = super().train_on_batch(*args, return_dict=True, **kwargs)
+        if return_dict:
+            return logs
+        scaler_keys = _model_step.scaler_log_keys(self)
+        return _keras_internals.logs_as_list(
+            self, {key: value for key, value in logs.items() if key not in scaler_keys})
+
     def train_step(self, *args, **kwargs):
         """Keras' train step with kmp's loss-scaled apply: a skipped step
         kept out of the epoch's logs and, with `overflow_retries`, an

@@ -387,3 +387,35 @@ def test_the_output_mask_still_weights_the_loss_and_metrics(policy, how):
     np.testing.assert_allclose(keras.ops.convert_to_numpy(head.kernel), np.full((4, 1), 0.01),
                                rtol=1e-2)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(head.bias), [0.01], rtol=1e-2)
+
+
+@pytest.mark.parametrize("how", ["kmp.Model", "kmp.convert"])
+def test_train_on_batch_returns_what_keras_returns(how):
+    kmp.set_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = (x[:, :1] > 0).astype("float32")
+
+    def make(model_class):
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(1, activation="sigmoid", kernel_initializer="ones")(inputs)
+        return model_class(inputs, outputs)
+
+    keras_model = make(keras.Model)
+    model = make(kmp.Model) if how == "kmp.Model" else kmp.convert(make(keras.Model))
+    for metrics in ([], ["accuracy"]):
+        keras_model.compile("sgd", "binary_crossentropy", metrics=metrics)
+        model.compile("sgd", "binary_crossentropy", metrics=metrics)
+        expected = keras_model.train_on_batch(x, y)
+        result = model.train_on_batch(x, y)
+        if not metrics:
+            assert np.ndim(result) == 0 and np.ndim(expected) == 0
+        else:
+            loss, accuracy = result  # unpacks as for Keras: no scaler entries
+            assert len(expected) == 2
+            assert accuracy == pytest.approx(expected[1])
+        assert np.ravel(result)[0] == pytest.approx(np.ravel(expected)[0], rel=1e-2)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    # The dict keeps the scaler's entries, as fit's History does.
+    assert {"loss", "accuracy", "loss_scale", "skipped_steps"} <= set(logs)
+    assert logs["loss_scale"] == float(model.optimizer.loss_scale)

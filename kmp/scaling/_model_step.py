@@ -165,6 +165,19 @@ def retry_budget(model, optimizer, can_retry):
     return ops.cast(ops.where(settled, _AUTO_RETRIES, _SETTLING_RETRIES), "int32")
 
 
+SCALER_LOG_NAMES = ("loss_scale", "skipped_steps", "retried_steps")
+
+
+def scaler_log_keys(model):
+    """Every key `scaler_logs` can add to `model`'s train-step logs: the
+    names alone (one scaler), or after each scaling optimizer's attribute
+    name or own name (several)."""
+    prefixes = [""]
+    for name, optimizer in _optimizers.scaling_optimizers(model).items():
+        prefixes += [name + "_", optimizer.name + "_"]
+    return {prefix + name for prefix in prefixes for name in SCALER_LOG_NAMES}
+
+
 def scaler_logs(model, applied, retrying=False, loss=None):
     """The logs of the loss scalers that applied in a train step.
 

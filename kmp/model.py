@@ -194,6 +194,17 @@ def _functional_class(cls):
     return functional
 
 
+def _loss_in_float32(loss):
+    """`loss` cast to float32, or as it is where it cannot be used here."""
+    try:
+        return _to_float32(loss)
+    except TypeError:
+        # A loss a traced step left on its layer (read after `fit`, as
+        # Keras' own `losses` returns it): a symbolic tensor of a graph
+        # that has ended, which no cast (nor anything else) can use here.
+        return loss
+
+
 @keras.saving.register_keras_serializable(package="kmp")
 class Model(_keras_internals.ModelBase):
     """A `keras.Model` that trains in mixed precision with loss scaling.
@@ -401,7 +412,7 @@ class Model(_keras_internals.ModelBase):
         `activity_regularizer`, say); Keras would sum them with the float32
         compile loss and fail. kmp's promise is a float32 loss.
         """
-        return [_to_float32(loss) for loss in super().losses]
+        return [_loss_in_float32(loss) for loss in super().losses]
 
     def train_on_batch(self, *args, return_dict=False, **kwargs):
         """`keras.Model.train_on_batch`, returning what Keras returns.

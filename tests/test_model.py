@@ -511,3 +511,37 @@ def test_functional_models_are_named_as_keras_names_a_class_called_functional_mo
     assert kmp.Model(inputs, outputs, name="mine").name == "mine"
     assert FunctionalModel.__name__ == keras.saving.get_registered_name(FunctionalModel)
     assert FunctionalModel.__qualname__ == "FunctionalModel"
+
+
+class _ActivityLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.mean(x))
+        return x
+
+
+def test_losses_can_be_read_after_fit_as_in_keras():
+    # After fit, Keras' `losses` hands back what the last traced step left
+    # (symbolic tensors of an ended graph); kmp's float32 cast of them raised
+    # "out of scope". An eager call's losses are float32 values.
+    kmp.set_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+
+    def make(model_class):
+        inputs = keras.Input((4,))
+        hidden = _ActivityLoss()(keras.layers.Dense(4, kernel_initializer="ones")(inputs))
+        model = model_class(inputs, keras.layers.Dense(1)(hidden))
+        model.compile("adam", "mse")
+        model.fit(x, y, verbose=0)
+        return model
+
+    model = make(kmp.Model)
+    kmp.set_policy("float32")  # Keras' own float16 step cannot add a float16 layer loss
+    keras_model = make(keras.Model)
+    assert len(model.losses) == len(keras_model.losses) == 1
+    model(x[:8])
+    (loss,) = model.losses
+    assert keras.backend.standardize_dtype(loss.dtype) == "float32"
+    hidden = model.layers[1](x[:8])
+    assert float(loss) == pytest.approx(0.01 * float(np.mean(hidden)), rel=1e-2)

@@ -1014,3 +1014,28 @@ def test_the_one_line_runs_unchanged_without_a_scaler_and_trains_as_keras_model(
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
     for ours, theirs in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were():
+    # A batch whose float16 activations overflow: the step is skipped, and
+    # the moving statistics Keras' stateless call returned as inf are not kept.
+    kmp.set_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    x[32:] *= 1e5  # the second batch: activations above float16's 65504
+    inputs = keras.Input((8,))
+    norm = keras.layers.BatchNormalization(momentum=0.5)
+    model = kmp.Model(inputs, keras.layers.Dense(1)(norm(keras.layers.Dense(8)(inputs))))
+    model.compile("adam", "mse")
+    model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    before = [np.asarray(v.value).copy() for v in model.non_trainable_variables]
+    skipped = int(model.optimizer.skipped_steps)
+    model.fit(x[32:], y[32:], batch_size=32, epochs=1, verbose=0)
+    assert int(model.optimizer.skipped_steps) == skipped + 1
+    for old, variable in zip(before, model.non_trainable_variables):
+        np.testing.assert_array_equal(old, np.asarray(variable.value))
+    assert np.isfinite(model.predict(x[:4], verbose=0)).all()
+    # An applied step moves them (momentum 0.5: half of the batch's mean).
+    model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    assert not np.array_equal(before[0], np.asarray(norm.moving_mean.value))

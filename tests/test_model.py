@@ -545,3 +545,79 @@ def test_losses_can_be_read_after_fit_as_in_keras():
     assert keras.backend.standardize_dtype(loss.dtype) == "float32"
     hidden = model.layers[1](x[:8])
     assert float(loss) == pytest.approx(0.01 * float(np.mean(hidden)), rel=1e-2)
+
+
+def _batch_norm_model(momentum=0.5):
+    inputs = keras.Input((8,))
+    frozen = keras.layers.Dense(8, kernel_initializer="identity", name="frozen")
+    frozen.trainable = False
+    norm = keras.layers.BatchNormalization(momentum=momentum, name="norm")
+    hidden = keras.layers.Dropout(0.1, name="drop")(norm(frozen(inputs)))
+    return kmp.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_redone_batch_moves_batch_norm_statistics_once(jit_compile):
+    # Targets of 1000: the first attempts' gradients overflow float16 at the
+    # initial scale; each redo ran the forward pass again, and the moving
+    # statistics moved once per attempt (11 times instead of once).
+    kmp.set_policy("mixed_float16")
+    x = np.random.default_rng(0).normal(3.0, 1.0, size=(64, 8)).astype("float32")
+    y = np.full((64, 1), 1000.0, "float32")
+    model = _batch_norm_model()
+    model.compile(keras.optimizers.SGD(1e-6), "mse", jit_compile=jit_compile)
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    assert int(model.optimizer.counters["retries"]) >= 2
+    assert int(model.optimizer.iterations) == 1
+    norm = model.get_layer("norm")
+    # One update from (0, 1): momentum 0.5 times the old value plus 0.5 times
+    # the batch's mean and variance, in float16 inside the layer.
+    batch = x.astype("float64")
+    np.testing.assert_allclose(norm.moving_mean.numpy(), 0.5 * batch.mean(0), rtol=2e-3)
+    np.testing.assert_allclose(norm.moving_variance.numpy(), 0.5 + 0.5 * batch.var(0), rtol=2e-3)
+
+
+def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were():
+    # A batch whose float16 activations overflow: the step is skipped, and
+    # the moving statistics it would have set to inf stay as they were.
+    kmp.set_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    x[32:] *= 1e5  # the second batch: activations above float16's 65504
+    model = _batch_norm_model()
+    model.compile("adam", "mse", overflow_retries=0)
+    model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    norm = model.get_layer("norm")
+    before = [v.numpy().copy() for v in model.non_trainable_variables]
+    model.fit(x[32:], y[32:], batch_size=32, epochs=1, verbose=0)
+    assert int(model.optimizer.skipped_steps) == 1
+    for old, variable in zip(before, model.non_trainable_variables):
+        np.testing.assert_array_equal(old, variable.numpy())
+    assert np.isfinite(model.predict(x[:4], verbose=0)).all()
+    assert norm.moving_mean.numpy().any()  # the first, applied step did move them
+
+
+def test_only_variables_the_forward_pass_writes_are_put_back():
+    # A frozen layer's weights are only read: no select, no write, whatever
+    # their size; the moving statistics and the dropout's seed are written.
+    from kmp.backends.tensorflow import layer_state
+
+    model = _batch_norm_model()
+    model(np.zeros((2, 8), "float32"))
+    candidates = [v.path for v in model.non_trainable_variables]
+    assert {"frozen/kernel", "frozen/bias", "norm/moving_mean"} <= set(candidates)
+
+    @tf.function
+    def forward(x):
+        graph = tf.compat.v1.get_default_graph()
+        mark = len(graph.get_operations())
+        model(x, training=True)
+        written = layer_state._written_handles(graph.get_operations()[mark:])
+        forward.written = [v.path for v in model.non_trainable_variables
+                           if id(v.value.handle) in written]
+
+    forward(tf.zeros((2, 8)))
+    norm, drop = model.get_layer("norm"), model.get_layer("drop")
+    assert sorted(forward.written) == sorted(
+        [norm.moving_mean.path, norm.moving_variance.path, drop.seed_generator.state.path])

@@ -109,7 +109,8 @@ def train_step(model, state, data, keras_train_step):
     As Keras' `JAXTrainer.train_step`, except that the scaler also gets the
     unscaled loss (a skip whose loss is not finite is a forward overflow),
     and a skipped step leaves the metrics as they were (one poisoned batch
-    does not make the epoch's loss NaN).
+    does not make the epoch's loss NaN), and the state the forward pass
+    wrote (a BatchNormalization's moving statistics).
     """
     trainable, non_trainable, optimizer_values, metrics_values = state
     optimizer = model.optimizer
@@ -122,7 +123,7 @@ def train_step(model, state, data, keras_train_step):
         trainable, non_trainable, metrics_values, x, y, sample_weight,
         training=True, optimizer_variables=optimizer_values,
     )
-    unscaled_loss, y_pred, non_trainable, new_metrics = aux
+    unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
     divide, _ = _handoff.take_for_apply(optimizer)
     trainable, optimizer_values, finite = _scaling_step.stateless_step(
         optimizer, optimizer_values, grads, trainable, loss=unscaled_loss, divide=divide
@@ -131,6 +132,14 @@ def train_step(model, state, data, keras_train_step):
         model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight
     )
     kept = [ops.where(finite, new, old) for new, old in zip(new_metrics, metrics_values)]
+    # What the forward pass wrote (a BatchNormalization's moving statistics,
+    # a seed generator's state) is kept only by a step that counts; a
+    # variable it did not write is the same value on both sides, which XLA
+    # folds away.
+    non_trainable = [
+        new if new is old else ops.where(finite, new, old)
+        for new, old in zip(new_non_trainable, non_trainable)
+    ]
     with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, kept))):
         kept_logs = model.get_metrics_result()
         steps_counted = _keras_internals.loss_tracker(model).count.value

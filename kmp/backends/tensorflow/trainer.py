@@ -26,6 +26,7 @@ from kmp.scaling import _handoff
 from kmp.scaling import _model_step
 from kmp import loss_scale as loss_scale_module
 from kmp.backends.tensorflow import distribute as distribute_module
+from kmp.backends.tensorflow import layer_state as layer_state_module
 
 
 # Set once on the instance: each `tf.function` Keras makes traces it afresh
@@ -228,7 +229,8 @@ def train_step(model, data, keras_train_step, attempt=None):
 
 def _attempt(model, data, optimizer, retries_left=None, defer=False):
     """Keras' train step on one batch, with kmp's scaled apply; a skipped
-    step leaves the metrics as they were.
+    step leaves the metrics and the state its forward pass wrote (a
+    BatchNormalization's moving statistics) as they were.
 
     Returns:
         The scaler's `kmp.scaling._handoff.StepAnswer` (`loss`: the
@@ -236,6 +238,9 @@ def _attempt(model, data, optimizer, retries_left=None, defer=False):
     """
     metric_variables = list(model.metrics_variables)
     before = [tf.identity(v.value) for v in metric_variables]
+    # What the forward pass writes (BatchNormalization's moving statistics):
+    # an attempt that does not count leaves it as it was, too.
+    layer_state = layer_state_module.ForwardState(model)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True) if _keras_internals.call_takes_training(model) else model(x)
@@ -256,6 +261,7 @@ def _attempt(model, data, optimizer, retries_left=None, defer=False):
     finite = ops.cast(answer.finite, "bool")
     for variable, value in zip(metric_variables, before):
         variable.assign(ops.where(finite, variable.value, value))
+    layer_state.restore_unless(finite)
     return answer
 
 

@@ -45,7 +45,7 @@ uses it says more):
 | `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `backends/tensorflow/replicas.py`, `backends/tensorflow/trainer.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
 | `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `backends/tensorflow/step.py`, `backends/tensorflow/trainer.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where kmp's retry loop carries gradients instead of variables |
 | `tensorflow.python.ops.cond_v2.fast_cond_v2` | `unlowered_cond` | `backends/tensorflow/distribute.py` | the retry of an XLA-compiled step as one `If` op, not a `Switch` per variable on every step |
-| `tf.compat.v1.get_default_graph` | `default_graph` | `backends/tensorflow/step.py` | whether a recorded loss belongs to the graph being traced |
+| `tf.compat.v1.get_default_graph` | `default_graph` | `backends/tensorflow/step.py`, `backends/tensorflow/layer_state.py` | whether a recorded loss belongs to the graph being traced |
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `backends/jax/trainer.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
 | `Trainer._loss_tracker` | `loss_tracker` | `backends/tensorflow/trainer.py`, `backends/jax/trainer.py` | whether a step computed a loss, for the loss a skipped step logs |
 | `Trainer._flatten_metrics_in_order` | `logs_as_list` | `model.py` | `train_on_batch`'s list, made as Keras makes it, from the logs without kmp's scaler entries |

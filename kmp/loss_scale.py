@@ -234,8 +234,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.enabled:
             return loss
+        scale = self.loss_scale
+        if backends.get("step").read_once(loss, scale):
+            raise ValueError(self._read_once_error("scale_loss"))
         self._kmp_record.note_scaled(loss)
-        return ops.multiply(loss, self.loss_scale)
+        return ops.multiply(loss, scale)
+
+    def _read_once_error(self, method):
+        return (
+            f"kmp.LossScaleOptimizer '{self.name}': `{method}` inside `jax.jit` reads "
+            "the loss scale once, when JAX traces the function, and keeps that number "
+            "for every later call, while the scale moves (the gradients would be off "
+            "by the factor it moved since). In a compiled step of your own, read it "
+            "from the optimizer variables the step carries: `scaled_loss = "
+            "optimizer.stateless_scale_loss(optimizer_variables, loss)`, then "
+            "`optimizer.stateless_apply(optimizer_variables, grads, "
+            "trainable_variables)`, which divides the gradients (docs/jax.md)."
+        )
 
     def get_scaled_loss(self, loss):
         """tf.keras' name for `scale_loss`; a callable `loss` gives a callable."""
@@ -251,8 +266,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.enabled:
             return list(grads)
-        self._kmp_record.note_divided()
-        return _scaling_step.unscale(self, list(grads))
+        grads = list(grads)
+        scale = self.loss_scale
+        if any(g is not None and backends.get("step").read_once(g, scale) for g in grads):
+            raise ValueError(self._read_once_error("get_unscaled_gradients"))
+        self._kmp_record.note_divided(grads)
+        return _scaling_step.unscale(self, grads)
 
     def stateless_scale_loss(self, optimizer_variables, loss):
         """`scale_loss`, reading the scale from `optimizer_variables` (the
@@ -289,10 +308,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             redo a skipped batch (the scale has backed off already):
             `if not optimizer.apply(grads): ...`.
         """
+        grads = list(grads)
         if not self.enabled:
             self._kmp_record.take()
             return self._kmp_apply(grads, trainable_variables, divide=False, loss=None).finite
-        divide, loss = _handoff.take_for_apply(self)
+        divide, loss = _handoff.take_for_apply(self, grads)
         answer = self._kmp_apply(grads, trainable_variables, divide=divide, loss=loss)
         self._kmp_record.answer = answer
         return answer.finite

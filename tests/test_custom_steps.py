@@ -493,6 +493,62 @@ def test_tf_keras_recipe_with_get_unscaled_gradients_is_divided_once(compiled):
     assert float(optimizer.loss_scale) == 2.0**7
 
 
+def test_gradients_unscaled_in_a_tf_function_and_applied_outside_it_are_refused():
+    # The function's Python runs only when it is traced: from its second
+    # call on, the eager apply could not know the gradients were divided
+    # already and divided them again (a step 1/scale of the right one).
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((_FEATURES,)), keras.layers.Dense(1)])
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    optimizer.build(model.trainable_weights)
+
+    @tf.function
+    def unscaled_gradients(x):
+        with tf.GradientTape() as tape:
+            scaled = optimizer.get_scaled_loss(ops.mean(ops.cast(model(x), "float32") ** 2))
+        return optimizer.get_unscaled_gradients(tape.gradient(scaled, model.trainable_weights))
+
+    before = [w.numpy() for w in model.weights]
+    grads = unscaled_gradients(np.ones((4, _FEATURES), "float32"))
+    with pytest.raises(ValueError, match=r"`get_unscaled_gradients` ran inside a compiled "
+                       r"function .* would divide them again"):
+        optimizer.apply_gradients(zip(grads, model.trainable_weights))
+    for old, weight in zip(before, model.weights):
+        np.testing.assert_array_equal(old, weight.numpy())
+    assert int(optimizer.iterations) == 0 and int(optimizer.skipped_steps) == 0
+
+
+def test_a_loss_scaled_in_a_tf_function_and_applied_outside_it_is_divided_once():
+    # scale_loss reads the scale at each call of a tf.function: the eager
+    # apply divides by the same scale, on every call (not refused).
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((_FEATURES,)), keras.layers.Dense(1)])
+    reference = keras.Sequential([keras.Input((_FEATURES,)), keras.layers.Dense(1, dtype="float32")])
+    reference.set_weights(model.get_weights())
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**8)
+    reference_optimizer = keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def scaled_gradients(x):
+        with tf.GradientTape() as tape:
+            scaled = optimizer.scale_loss(ops.mean(ops.cast(model(x), "float32") ** 2))
+        return tape.gradient(scaled, model.trainable_weights)
+
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "divided ... scale_loss did not run"
+        for _ in range(3):
+            x = rng.normal(size=(8, _FEATURES)).astype("float32")
+            optimizer.apply(scaled_gradients(x), model.trainable_weights)
+            with tf.GradientTape() as tape:
+                loss = ops.mean(reference(x) ** 2)
+            reference_optimizer.apply(tape.gradient(loss, reference.trainable_weights),
+                                      reference.trainable_weights)
+    for mine, theirs in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-2, atol=1e-3)
+    assert int(optimizer.iterations) == 3
+
+
 def test_progress_bar_shows_each_scaler_readably(capsys):
     kmp.set_policy("mixed_float16")
     keras.utils.set_random_seed(0)

@@ -1039,3 +1039,69 @@ def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were():
     # An applied step moves them (momentum 0.5: half of the batch's mean).
     model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
     assert not np.array_equal(before[0], np.asarray(norm.moving_mean.value))
+
+
+def _jit_loop_parts():
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def test_scale_loss_in_jax_jit_is_refused_for_the_stateless_line():
+    # Inside jax.jit, `scale_loss` read the scale when JAX traced and kept it:
+    # after one skip the loss was still scaled by 2**15 while the apply divided
+    # by 2**14 (every later step twice too large, silently).
+    model, optimizer = _jit_loop_parts()
+
+    def scaled_loss(trainable, x, scale_line):
+        y_pred, _ = model.stateless_call(trainable, [], x)
+        loss = ops.mean(y_pred**2)
+        return scale_line(loss)
+
+    trainable = [v.value for v in model.trainable_variables]
+    values = [v.value for v in optimizer.variables]
+    x = np.ones((8, 4), "float32")
+    with pytest.raises(ValueError, match=r"`scale_loss` inside `jax.jit` reads the loss scale "
+                       r"once.*stateless_scale_loss\(optimizer_variables, loss\)"):
+        jax.jit(jax.grad(lambda t: scaled_loss(t, x, optimizer.scale_loss)))(trainable)
+    # The stateless line, and scale_loss where nothing is compiled (a jax.grad
+    # loop run eagerly reads the scale at each call), are the same numbers.
+    stateless = jax.jit(jax.grad(
+        lambda t, v: scaled_loss(t, x, lambda loss: optimizer.stateless_scale_loss(v, loss))
+    ))(trainable, values)
+    eager = jax.grad(lambda t: scaled_loss(t, x, optimizer.scale_loss))(trainable)
+    for a, b in zip(stateless, eager):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_gradients_unscaled_in_jax_jit_are_refused_for_stateless_apply():
+    # get_unscaled_gradients would divide by the scale JAX read when it traced.
+    model, optimizer = _jit_loop_parts()
+    x = np.ones((8, 4), "float32")
+
+    @jax.jit
+    def unscaled_gradients(trainable, values):
+        def scaled_loss(t):
+            y_pred, _ = model.stateless_call(t, [], x)
+            return optimizer.stateless_scale_loss(values, ops.mean(y_pred**2))
+
+        return optimizer.get_unscaled_gradients(jax.grad(scaled_loss)(trainable))
+
+    with pytest.raises(ValueError, match=r"`get_unscaled_gradients` inside `jax.jit` reads the "
+                       r"loss scale once.*stateless_apply"):
+        unscaled_gradients([v.value for v in model.trainable_variables],
+                           [v.value for v in optimizer.variables])
+    # Mapped to the step's optimizer values, as a stateless step carries them,
+    # it divides by the scale it is given.
+    @jax.jit
+    def mapped(grads, values):
+        with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
+            return optimizer.get_unscaled_gradients(grads)
+
+    values = [v.value for v in optimizer.variables]
+    grads = [np.full(w.shape, 2.0**15, "float32") for w in model.trainable_variables]
+    (kernel, _) = mapped(grads, values)
+    np.testing.assert_array_equal(np.asarray(kernel), np.ones(kernel.shape))

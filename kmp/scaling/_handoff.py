@@ -82,6 +82,18 @@ _DIVIDED_WARNING = (
     "step kmp cannot tell them apart. {add_line}."
 )
 
+_SPLIT_ERROR = (
+    "kmp.LossScaleOptimizer '{name}': `get_unscaled_gradients` ran inside a "
+    "compiled function (`tf.function`, `jax.jit`) whose gradients this `apply` "
+    "receives outside it. On the function's later calls its Python does not run, "
+    "so the scaler cannot learn that those gradients are divided already and "
+    "would divide them again (a step 1/scale of what it should be). Call "
+    "`optimizer.apply_gradients(...)` inside the same `tf.function` (in `jax.jit`, "
+    "`stateless_scale_loss` and `stateless_apply`: docs/jax.md), or apply the "
+    "scaled gradients without `get_unscaled_gradients`: `apply` divides them itself."
+)
+
+
 class StepRecord(threading.local):
     """The hand-off between one replica's train step and its scaler.
 
@@ -92,6 +104,8 @@ class StepRecord(threading.local):
 
     def __init__(self):
         self._scaled, self._loss, self._divided = False, None, False
+        # Whether the gradients were divided inside a trace (`traced_divide`).
+        self._divided_traced = False
         self.in_model_step, self.answer = False, None
 
     def __reduce__(self):
@@ -101,8 +115,10 @@ class StepRecord(threading.local):
     def note_scaled(self, loss):
         self._scaled, self._loss = True, loss
 
-    def note_divided(self):
+    def note_divided(self, grads):
         self._divided = True
+        self._divided_traced = any(
+            g is not None and backends.get("step").traced(g) for g in grads)
 
     @contextlib.contextmanager
     def model_step(self):
@@ -120,6 +136,7 @@ class StepRecord(threading.local):
             loss = backends.get("step").usable_here(loss)
         taken = (self._scaled, self._divided, loss)
         self._scaled, self._loss, self._divided = False, None, False
+        self._divided_traced = False
         return taken
 
     def forget_traced(self):
@@ -127,15 +144,26 @@ class StepRecord(threading.local):
         self._loss, self.answer = None, None
 
 
-def take_for_apply(optimizer):
-    """`(divide, loss)` for `optimizer.apply`, from what the step recorded.
+def take_for_apply(optimizer, grads=()):
+    """`(divide, loss)` for `optimizer.apply` of `grads`, from what the step
+    recorded.
 
     Clears the record; warns once where no loss went through `scale_loss`:
     inside kmp.Model's train step such gradients are applied undivided,
     elsewhere divided (as Keras' LossScaleOptimizer divides them).
+
+    Raises:
+        ValueError: if `get_unscaled_gradients` divided gradients inside a
+            trace and `grads` are not of a trace (an eager apply of a
+            compiled function's gradients): every later call would divide
+            them twice, silently.
     """
     record = optimizer._kmp_record
+    split = record._divided_traced and not any(
+        g is not None and backends.get("step").traced(g) for g in grads)
     scaled, divided, loss = record.take()
+    if split:
+        raise ValueError(_SPLIT_ERROR.format(name=optimizer.name))
     if not (scaled or divided):
         _warn_once(optimizer, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
     return not divided and (scaled or not record.in_model_step), loss

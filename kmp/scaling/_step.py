@@ -322,7 +322,7 @@ def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
             list(optimizer_variables[own:]), grads, trainable_variables
         )
         return new_trainable, list(optimizer_variables[:own]) + list(new_inner)
-    divide, _ = _handoff.take_for_apply(optimizer)
+    divide, _ = _handoff.take_for_apply(optimizer, grads)
     # Applied; no loss kept: one recorded in a traced function must not
     # outlive its trace.
     optimizer._kmp_record.answer = _handoff.StepAnswer()

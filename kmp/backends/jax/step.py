@@ -39,6 +39,30 @@ def usable_here(loss):
     return loss
 
 
+def traced(value):
+    """Whether `value` is a JAX tracer (of `jax.jit`, `jax.grad`, ...)."""
+    return isinstance(value, jax.core.Tracer)
+
+
+def read_once(loss, scale):
+    """Whether `loss * scale` would keep `scale` as a constant: `loss` is
+    staged into a compiled function (`jax.jit`, a `lax` loop; through
+    `jax.grad`'s and `jax.vmap`'s tracers around it) and `scale` is a
+    variable's concrete value, not one the function was given. JAX then
+    keeps the number it read when it traced, for every later call."""
+    if isinstance(scale, jax.core.Tracer):
+        return False
+    value = loss
+    for _ in range(64):  # a few nested transformations, never a cycle
+        if not isinstance(value, jax.core.Tracer):
+            return False
+        if type(value).__name__ == "DynamicJaxprTracer":
+            return True
+        inner = getattr(value, "primal", None)
+        value = getattr(value, "val", None) if inner is None else inner
+    return False
+
+
 def check_buildable(optimizer):
     """Refuses an inner optimizer that accumulates gradients."""
     steps = _scaling_step.accumulation_steps(optimizer)

@@ -25,6 +25,8 @@ from Keras' stateless call (`kmp/backends/jax/trainer.py`).
 import tensorflow as tf
 from keras import ops
 
+from kmp import _keras_internals
+
 # Ops that take a variable's handle and only read it.
 _READS = frozenset((
     "ReadVariableOp", "VarIsInitializedOp", "VariableShape", "ResourceGather",
@@ -45,7 +47,7 @@ class ForwardState:
         self._candidates = [
             v for v in model.non_trainable_variables if id(v) not in metrics
         ]
-        self._graph = tf.compat.v1.get_default_graph()
+        self._graph = _keras_internals.default_graph()
         self._before = [tf.identity(v.value) for v in self._candidates]
         self._mark = len(self._graph.get_operations())
 

@@ -2,8 +2,8 @@
 `tf.distribute` strategies, with gradient accumulation and retries.
 
 The same names as `kmp/backends/jax/step.py`: `apply` (the scaler's
-`apply`), `snapshot`, `outside_functions`, `usable_here`, `check_buildable`
-and `ADD_LINE`. The math shared with JAX (the finiteness decision,
+`apply`), `snapshot`, `outside_functions`, `usable_here`, `traced`,
+`read_once`, `check_buildable` and `ADD_LINE`. The math shared with JAX (the finiteness decision,
 unscaling, the next scale and counters) is `kmp.scaling._step`'s.
 """
 
@@ -42,6 +42,18 @@ def usable_here(loss):
             return loss
         graph = getattr(graph, "outer_graph", None)
     return None
+
+
+def traced(value):
+    """Whether `value` (a tensor or `IndexedSlices`) is a symbolic tensor of
+    a `tf.function` being traced: code that computed it runs again on later
+    calls without its Python."""
+    return tf.is_symbolic_tensor(getattr(value, "values", value))
+
+
+def read_once(loss, scale):
+    """Never on TensorFlow: a traced function reads a variable at each call."""
+    return False
 
 
 def check_buildable(optimizer):

@@ -205,6 +205,17 @@ def overflowing_sample_weights(rows, batch_size, batches):
     return weights
 
 
+def activations_overflowing_in_the_second_batch():
+    """`(x, y)`: 64 rows of 8 features and 1 target, normal; rows 32 on are
+    times 1e5, so that a float16 Dense(8) on them (a batch of 32) computes
+    activations above float16's 65504: a forward overflow."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    x[32:] *= 1e5
+    return x, y
+
+
 def free_ports(count):
     """`count` free TCP ports on 127.0.0.1, for workers a test starts."""
     import socket

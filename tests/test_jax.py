@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import pytest
 from _helpers import ReferenceScaler
+from _helpers import activations_overflowing_in_the_second_batch
 from keras import ops
 
 import kmp
@@ -1020,10 +1021,7 @@ def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were():
     # A batch whose float16 activations overflow: the step is skipped, and
     # the moving statistics Keras' stateless call returned as inf are not kept.
     kmp.set_policy("mixed_float16")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 8)).astype("float32")
-    y = rng.normal(size=(64, 1)).astype("float32")
-    x[32:] *= 1e5  # the second batch: activations above float16's 65504
+    x, y = activations_overflowing_in_the_second_batch()
     inputs = keras.Input((8,))
     norm = keras.layers.BatchNormalization(momentum=0.5)
     model = kmp.Model(inputs, keras.layers.Dense(1)(norm(keras.layers.Dense(8)(inputs))))

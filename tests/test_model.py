@@ -7,6 +7,7 @@ import kmp
 from _helpers import (
     OVERFLOWING_SAMPLE_WEIGHT,
     TrainableWeightsPerStep,
+    activations_overflowing_in_the_second_batch,
     assert_close_to_float16_rounding,
     overflowing_sample_weights,
 )
@@ -581,10 +582,7 @@ def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were():
     # A batch whose float16 activations overflow: the step is skipped, and
     # the moving statistics it would have set to inf stay as they were.
     kmp.set_policy("mixed_float16")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 8)).astype("float32")
-    y = rng.normal(size=(64, 1)).astype("float32")
-    x[32:] *= 1e5  # the second batch: activations above float16's 65504
+    x, y = activations_overflowing_in_the_second_batch()
     model = _batch_norm_model()
     model.compile("adam", "mse", overflow_retries=0)
     model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)

@@ -104,7 +104,7 @@ class StepRecord(threading.local):
 
     def __init__(self):
         self._scaled, self._loss, self._divided = False, None, False
-        # Whether the gradients were divided inside a trace (`traced_divide`).
+        # Whether the gradients were divided inside a trace (`divided_in_trace`).
         self._divided_traced = False
         self.in_model_step, self.answer = False, None
 
@@ -117,8 +117,13 @@ class StepRecord(threading.local):
 
     def note_divided(self, grads):
         self._divided = True
-        self._divided_traced = any(
-            g is not None and backends.get("step").traced(g) for g in grads)
+        self._divided_traced = _any_traced(grads)
+
+    @property
+    def divided_in_trace(self):
+        """Whether `get_unscaled_gradients` divided symbolic gradients (in a
+        `tf.function` or `jax.jit` being traced) since the last `apply`."""
+        return self._divided_traced
 
     @contextlib.contextmanager
     def model_step(self):
@@ -144,7 +149,11 @@ class StepRecord(threading.local):
         self._loss, self.answer = None, None
 
 
-def take_for_apply(optimizer, grads=()):
+def _any_traced(grads):
+    return any(g is not None and backends.get("step").traced(g) for g in grads)
+
+
+def take_for_apply(optimizer, grads=None):
     """`(divide, loss)` for `optimizer.apply` of `grads`, from what the step
     recorded.
 
@@ -154,13 +163,12 @@ def take_for_apply(optimizer, grads=()):
 
     Raises:
         ValueError: if `get_unscaled_gradients` divided gradients inside a
-            trace and `grads` are not of a trace (an eager apply of a
-            compiled function's gradients): every later call would divide
-            them twice, silently.
+            trace and `grads` (when given) are not of a trace (an eager apply
+            of a compiled function's gradients): every later call would
+            divide them twice, silently.
     """
     record = optimizer._kmp_record
-    split = record._divided_traced and not any(
-        g is not None and backends.get("step").traced(g) for g in grads)
+    split = grads is not None and record.divided_in_trace and not _any_traced(grads)
     scaled, divided, loss = record.take()
     if split:
         raise ValueError(_SPLIT_ERROR.format(name=optimizer.name))

@@ -223,7 +223,7 @@ def export(
         # plain keras.Model under a 16-bit policy would otherwise serve
         # 16-bit outputs.
         if input_signature is None:
-            input_signature = _keras_internals.get_input_signature(model)
+            input_signature = _served_signature(model)
 
         def serve(*args, **call_kwargs):
             return _float32_layers._to_float32(model(*args, **call_kwargs))
@@ -232,6 +232,32 @@ def export(
         archive.track(model)
         archive.add_endpoint("serve", serve, input_signature, **kwargs)
         archive.write_out(filepath, verbose=True if verbose is None else verbose)
+
+
+def _served_signature(model):
+    """Keras' input signature of `model`, with float32 float inputs.
+
+    A functional or Sequential model's comes from its `Input`s. For a
+    subclassed one Keras gives every input the model's compute dtype
+    (float16 under mixed_float16, even for token ids, which it would then
+    round); kmp takes the dtypes of the model's first call where kmp.Model
+    recorded them (int ids stay int), and serves float inputs in float32.
+    """
+    signature = _keras_internals.get_input_signature(model)
+    if isinstance(model, (_keras_internals.Functional, keras.Sequential)):
+        return signature
+    specs = keras.tree.flatten(signature)
+    recorded = getattr(model, "_kmp_input_dtypes", None)
+    if recorded is None or len(recorded) != len(specs):
+        recorded = [None] * len(specs)
+    served = []
+    for spec, dtype in zip(specs, recorded):
+        dtype = spec.dtype if dtype is None else dtype
+        served.append(keras.InputSpec(
+            shape=spec.shape,
+            dtype="float32" if keras.backend.is_float_dtype(dtype) else dtype,
+        ))
+    return keras.tree.pack_sequence_as(signature, served)
 
 
 def _check_tensorflow_installed():

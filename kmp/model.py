@@ -280,6 +280,13 @@ class Model(_keras_internals.ModelBase):
         # one), once: float32 layers, cast-backs and token ids are the
         # layers' own policies from then on (see kmp/precision/_settle.py).
         _precision.settle_once(self)
+        if args and getattr(self, "_kmp_input_dtypes", None) is None:
+            # The dtypes of the inputs a subclassed model is built on (int
+            # token ids), which Keras does not record: kmp.export serves them.
+            object.__setattr__(self, "_kmp_input_dtypes", tuple(
+                keras.backend.standardize_dtype(x.dtype) if hasattr(x, "dtype") else None
+                for x in keras.tree.flatten(args[0])
+            ))
         return _to_float32(super().__call__(*args, **kwargs))
 
     def stateless_call(self, *args, **kwargs):

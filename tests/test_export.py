@@ -184,6 +184,45 @@ def test_subclassed_model_export(tmp_path):
     assert model.hidden.compute_dtype == "float16"
 
 
+@pytest.mark.parametrize("inference_policy", [None, "mixed_bfloat16", "float32"])
+def test_a_subclassed_model_serves_float32_inputs_and_its_int_ids(tmp_path, inference_policy):
+    # Keras gives a subclassed model's every input the compute dtype: a
+    # float16 (or bfloat16) signature that refused float32 inputs, and token
+    # ids sent as floats rounded (4001 -> 4000).
+    class Tokens(kmp.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.embed = keras.layers.Embedding(5000, 8)
+            self.pool = keras.layers.GlobalAveragePooling1D()
+            self.head = keras.layers.Dense(2)
+
+        def call(self, ids):
+            return self.head(self.pool(self.embed(ids)))
+
+    class Features(kmp.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.head = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.head(x)
+
+    kmp.set_policy("mixed_float16")
+    ids = np.array([[4001, 4003, 4005, 2049], [1, 2, 3, 4]], "int32")
+    x = _data()
+    for model, inputs, dtype in ((Tokens(), ids, tf.int32), (Features(), x, tf.float32)):
+        expected = model.predict(inputs, verbose=0)
+        path = str(tmp_path / type(model).__name__)
+        model.export(path, verbose=False, inference_policy=inference_policy)
+        served = tf.saved_model.load(path)
+        (spec,) = served.serve.concrete_functions[0].structured_input_signature[0]
+        assert spec.dtype == dtype
+        outputs = served.serve(tf.constant(inputs))
+        assert outputs.dtype == tf.float32
+        if inference_policy is None:  # the same float16 computation
+            np.testing.assert_allclose(outputs.numpy(), expected, rtol=1e-2, atol=1e-4)
+
+
 def test_float32_layers_settled_in_the_model_follow_the_inference_policy(tmp_path):
     # A UnitNormalization the model settled in float32, inside a nested model
     # whose output meets the subclass's own `+`: it casts its outputs back to

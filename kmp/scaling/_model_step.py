@@ -165,6 +165,23 @@ def retry_budget(model, optimizer, can_retry):
     return ops.cast(ops.where(settled, _AUTO_RETRIES, _SETTLING_RETRIES), "int32")
 
 
+def uncounted_epoch_logs(logs, counted, own):
+    """`logs` of a step whose epoch may have counted no step yet.
+
+    Where `counted` (a boolean tensor: the loss tracker counted a step this
+    epoch) is false, every step so far was skipped and the metrics, put back
+    after each, hold nothing: Keras would report 0 (a perfect `mae`, which
+    `EarlyStopping` and `ModelCheckpoint` take as the best epoch). The logs
+    are then this skipped step's own (`own`: the metrics' results before
+    they were put back), as Keras' own scaler, which counts a skipped step,
+    would report them for the epoch's first step.
+    """
+    return {
+        key: ops.where(counted, value, own[key]) if key in own else value
+        for key, value in logs.items()
+    }
+
+
 SCALER_LOG_NAMES = ("loss_scale", "skipped_steps", "retried_steps")
 
 

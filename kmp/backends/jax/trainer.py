@@ -143,13 +143,14 @@ def train_step(model, state, data, keras_train_step):
     with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, kept))):
         kept_logs = model.get_metrics_result()
         steps_counted = _keras_internals.loss_tracker(model).count.value
+    own = logs  # this step counted, before a skipped one is put back
     logs = {
         key: ops.where(finite, value, kept_logs[key]) if key in kept_logs else value
         for key, value in logs.items()
     }
     if "loss" in logs:
-        # No step applied yet this epoch: the loss of the skipped one.
-        logs["loss"] = ops.where(steps_counted > 0, logs["loss"], ops.cast(unscaled_loss, "float32"))
+        # No step applied yet this epoch: the loss and metrics of the skipped one.
+        logs = _model_step.uncounted_epoch_logs(logs, steps_counted > 0, own)
     if optimizer._monitored:
         logs.update(_monitor_logs(optimizer, optimizer_values, unscaled_loss))
     return logs, (trainable, non_trainable, optimizer_values, kept)

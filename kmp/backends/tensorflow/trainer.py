@@ -201,23 +201,19 @@ def train_step(model, data, keras_train_step, attempt=None):
     retries = _model_step.retry_budget(model, optimizer, can_retry())
     retry = None
     if retries is not None and attempt is not None:
-        answer = _attempt(model, data, optimizer, retries_left=retries - attempt)
+        answer, own = _attempt(model, data, optimizer, retries_left=retries - attempt)
         loss, retry = answer.loss, answer.retry
     elif retries is not None:
-        loss = _retry_overflows(model, data, optimizer, retries)
+        loss, own = _retry_overflows(model, data, optimizer, retries)
     else:
-        loss = _attempt(model, data, optimizer).loss
+        answer, own = _attempt(model, data, optimizer)
+        loss = answer.loss
     logs = dict(model.get_metrics_result())
     if "loss" in logs:
-        # No step applied yet this epoch: the loss of this skipped one, as
-        # on JAX (Keras' mean of no step would be 0). Keras' loss tracker
-        # holds each replica's loss times the replicas, as here.
-        replicas = model.distribute_strategy.num_replicas_in_sync
-        logs["loss"] = ops.where(
-            _keras_internals.loss_tracker(model).count > 0,
-            logs["loss"],
-            ops.cast(loss, "float32") * replicas,
-        )
+        # No step applied yet this epoch: the loss and metrics of this
+        # skipped one, as on JAX (Keras' mean of no step would be 0).
+        logs = _model_step.uncounted_epoch_logs(
+            logs, _keras_internals.loss_tracker(model).count > 0, own)
     if attempt is not None:
         logs[distribute_module.RETRY_LOG] = (
             ops.convert_to_tensor(False) if retry is None else ops.cast(retry, "bool")
@@ -233,8 +229,9 @@ def _attempt(model, data, optimizer, retries_left=None, defer=False):
     BatchNormalization's moving statistics) as they were.
 
     Returns:
-        The scaler's `kmp.scaling._handoff.StepAnswer` (`loss`: the
-        unscaled loss).
+        `(answer, own)`: the scaler's `kmp.scaling._handoff.StepAnswer`
+        (`loss`: the unscaled loss), and the metrics' results with this
+        attempt counted (before a skipped one is put back), by name.
     """
     metric_variables = list(model.metrics_variables)
     before = [tf.identity(v.value) for v in metric_variables]
@@ -256,13 +253,14 @@ def _attempt(model, data, optimizer, retries_left=None, defer=False):
         request=_handoff.StepRequest(retries_left=retries_left, defer=defer),
     )
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    own = {key: ops.convert_to_tensor(value) for key, value in model.get_metrics_result().items()}
     # Selects, not a cond: on a CPU a cond costs more than a few scalar
     # assigns, and the metric variables are a handful of scalars.
     finite = ops.cast(answer.finite, "bool")
     for variable, value in zip(metric_variables, before):
         variable.assign(ops.where(finite, variable.value, value))
     layer_state.restore_unless(finite)
-    return answer
+    return answer, own
 
 
 def _retry_overflows(model, data, optimizer, retries):
@@ -284,7 +282,8 @@ def _retry_overflows(model, data, optimizer, retries):
     shape (`_retry_overflows_compiled`).
 
     Returns:
-        The unscaled loss of the attempt that counted.
+        `(loss, own)`: the unscaled loss of the last attempt and its
+        metrics' results (`_attempt`'s `own`).
     """
     if not _keras_internals.supports_no_merge_call():
         raise ValueError(
@@ -299,24 +298,29 @@ def _retry_overflows(model, data, optimizer, retries):
     if _keras_internals.in_xla_context():
         return _retry_overflows_compiled(model, data, optimizer, retries)
 
-    def attempt(count, retry, loss):
-        answer = _attempt(model, data, optimizer, retries_left=retries - count)
-        return count + 1, answer.retry, ops.cast(answer.loss, "float32")
+    names = []  # of the metrics' results, carried as a tuple
+
+    def attempt(count, retry, loss, own):
+        answer, own = _attempt(model, data, optimizer, retries_left=retries - count)
+        names[:] = list(own)
+        return count + 1, answer.retry, ops.cast(answer.loss, "float32"), tuple(own.values())
 
     # The first attempt runs as straight-line code: a step inside a
     # `tf.while_loop` runs measurably slower (about 15% on a model of many
     # small variables), so only a batch to redo enters the loop.
-    count, retry, loss = attempt(ops.convert_to_tensor(0), None, None)
+    count, retry, loss, own = attempt(ops.convert_to_tensor(0), None, None, None)
 
     # A function TensorFlow does not inline: the branch not taken is then one
     # call op instead of the whole step again (whose skipped ops cost about
     # 10% of a step on a model of many small variables).
     @tf.function(autograph=False,
                  experimental_attributes=_keras_internals.noinline_function_attributes())
-    def redo(count, retry, loss):
-        return tf.while_loop(lambda count, retry, loss: retry, attempt, (count, retry, loss))[2]
+    def redo(count, retry, loss, own):
+        return tf.while_loop(lambda count, retry, *_: retry, attempt,
+                             (count, retry, loss, own))[2:]
 
-    return tf.cond(retry, lambda: redo(count, retry, loss), lambda: loss)
+    loss, own = tf.cond(retry, lambda: redo(count, retry, loss, own), lambda: (loss, own))
+    return loss, dict(zip(names, own))
 
 
 def _retry_overflows_compiled(model, data, optimizer, retries):
@@ -340,11 +344,15 @@ def _retry_overflows_compiled(model, data, optimizer, retries):
     branch not taken costs its ops and no copies, `_retry_overflows` keeps
     the loop that redoes whole steps.
     """
-    def attempt(count):
-        answer = _attempt(model, data, optimizer, retries_left=retries - count, defer=True)
-        return count + 1, answer.retry, ops.cast(answer.loss, "float32"), answer.finite, answer.deferred
+    names = []  # of the metrics' results, carried as a tuple
 
-    count, retry, loss, finite, deferred = attempt(ops.convert_to_tensor(0))
+    def attempt(count):
+        answer, own = _attempt(model, data, optimizer, retries_left=retries - count, defer=True)
+        names[:] = list(own)
+        return (count + 1, answer.retry, ops.cast(answer.loss, "float32"), answer.finite,
+                answer.deferred, tuple(own.values()))
+
+    count, retry, loss, finite, deferred, own = attempt(ops.convert_to_tensor(0))
     # A sparse gradient (an embedding's `IndexedSlices`) enters the loop as
     # its values and indices: its dense shape stays the first attempt's
     # constant, which XLA needs to compile the sparse update.
@@ -353,16 +361,16 @@ def _retry_overflows_compiled(model, data, optimizer, retries):
     def parts(grads):
         return [(g.values, g.indices) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
-    def redo(count, retry, loss, finite, grads, scale):
-        count, retry, loss, finite, again = attempt(count)
-        return count, retry, loss, finite, parts(again.grads), again.scale
+    def redo(count, retry, loss, finite, grads, scale, own):
+        count, retry, loss, finite, again, own = attempt(count)
+        return count, retry, loss, finite, parts(again.grads), again.scale, own
 
-    _, _, loss, finite, grads, scale = tf.while_loop(
+    _, _, loss, finite, grads, scale, own = tf.while_loop(
         lambda count, retry, *_: retry,
         redo,
-        (count, retry, loss, finite, parts(deferred.grads), deferred.scale),
+        (count, retry, loss, finite, parts(deferred.grads), deferred.scale, own),
     )
     grads = [g if shape is None else tf.IndexedSlices(g[0], g[1], shape)
              for g, shape in zip(grads, dense_shapes)]
     deferred.apply_if(finite, grads, scale)
-    return loss
+    return loss, dict(zip(names, own))

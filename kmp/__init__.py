@@ -18,7 +18,7 @@ def _check_backend(backend):
         raise ImportError(
             "kmp supports the TensorFlow and JAX backends of Keras. Received: "
             f"backend={backend!r}. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax "
-            "before importing keras."
+            "before importing keras"
         )
 
 

@@ -135,7 +135,10 @@ def _doctor(args):
             # installed, the extra that installs TensorFlow).
             return _fail(args, EXIT_NO_BACKEND, str(error))
         backend = _command.requested_backend()
-        message = _MISSING_BACKEND.get(backend, _MISSING_BACKEND["tensorflow"])
+        if backend not in _MISSING_BACKEND:
+            # Another Keras backend (torch, numpy): kmp's own error says so.
+            return _fail(args, EXIT_NO_BACKEND, str(error))
+        message = _MISSING_BACKEND.get(backend)
         return _fail(
             args, EXIT_NO_BACKEND,
             message.format(error=f"{type(error).__name__}: {error}"),

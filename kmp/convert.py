@@ -578,6 +578,9 @@ def summary(model, print_fn=None):
         A list of dicts, one per layer: `layer` (path or name), `class`,
         `compute_dtype`, `variable_dtype`, `reason`.
 
+    Raises:
+        TypeError: if `model` is not a `keras.Model`.
+
     Example:
 
     >>> with kmp.policy_scope("mixed_float16"):
@@ -588,6 +591,11 @@ def summary(model, print_fn=None):
     >>> [(row["class"], row["compute_dtype"]) for row in rows][1:]
     [('Dense', 'float16'), ('UnitNormalization', 'float32')]
     """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a keras.Model. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
     rows = _layer_dtypes.layer_rows(model)
     (print_fn or print)(_layer_dtypes.format_table(model, rows))
     return rows

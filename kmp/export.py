@@ -317,6 +317,7 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
         The loaded model.
 
     Raises:
+        TypeError: if `filepath` is not a str or path-like.
         ValueError: if `policy` is not one of the names above, or if
             `filepath` exists but is not a complete `.keras` archive (a save
             cut short; Keras would report "File not found").
@@ -332,6 +333,11 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
     policy_name = _policy_name(
         policy, "policy", caller="kmp.load_model", none_means="the policies in the file"
     )
+    if not isinstance(filepath, (str, os.PathLike)):
+        raise TypeError(
+            "`filepath` must be the path of a .keras (or .h5) file, a str or "
+            f"os.PathLike. Received: filepath={filepath!r} of type {type(filepath).__name__}"
+        )
     _check_complete_archive(filepath)
     if policy_name is None:
         return keras.saving.load_model(

@@ -202,6 +202,15 @@ def test_missing_jax_exits_3_and_names_jax(how, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_another_keras_backend_exits_3_naming_it_not_tensorflow():
+    result = _run(["-m", "kmp", "doctor"], env={"KERAS_BACKEND": "torch"})
+    assert result.returncode == cli.EXIT_NO_BACKEND
+    assert "kmp supports the TensorFlow and JAX backends of Keras. Received: backend='torch'" \
+        in result.stderr
+    assert "TensorFlow is missing" not in result.stderr and ".." not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_no_gpu_for_device_gpu_exits_4():
     # CUDA_VISIBLE_DEVICES="" hides every GPU, on any machine.
     result = _run(

@@ -300,6 +300,16 @@ def test_argument_errors():
         kmp.convert(model, policy="float8")
     with pytest.raises(TypeError, match="Received: model of type Dense"):
         kmp.convert(keras.layers.Dense(2))
+    with pytest.raises(TypeError, match=r"`keep_float32` must be None, a layer name.*"
+                       r"Received: keep_float32=5 of type int"):
+        kmp.convert(model, keep_float32=5)
+    for bad in ("x", None):
+        with pytest.raises(TypeError, match=rf"`model` must be a keras.Model. Received: "
+                           rf"model={bad!r} of type {type(bad).__name__}"):
+            kmp.summary(bad)
+    with pytest.raises(TypeError, match=r"`filepath` must be the path of a .keras.*"
+                       r"Received: filepath=123 of type int"):
+        kmp.load_model(123)
 
 
 def test_summary_prints_a_table_with_every_layer():

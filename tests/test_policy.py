@@ -464,6 +464,8 @@ def test_set_policy_keep_float32_checks_its_entries_and_changes_nothing_on_error
         kmp.set_policy("float32", keep_float32=["head", 3])
     with pytest.raises(ValueError, match="regular expression.*'re:\\('"):
         kmp.set_policy("float32", keep_float32=["re:("])
+    with pytest.raises(TypeError, match="`keep_float32` must be None.*Received: keep_float32=5"):
+        kmp.set_policy("float32", keep_float32=5)
     assert kmp.get_policy().name == "mixed_bfloat16"
     inputs = keras.Input((4,))
     dense = keras.layers.Dense(2)

@@ -120,6 +120,12 @@ class _Float32Rules:
             return keep_float32
         if isinstance(keep_float32, (str, type)):
             keep_float32 = [keep_float32]
+        elif not isinstance(keep_float32, (list, tuple, set, frozenset)):
+            raise TypeError(
+                f"`{argument}` must be None, a layer name, a 're:' name pattern, a "
+                "keras.layers.Layer subclass, or a list of them. Received: "
+                f"{argument}={keep_float32!r} of type {type(keep_float32).__name__}"
+            )
         classes, names, patterns = [], [], []
         for entry in keep_float32:
             if isinstance(entry, type) and issubclass(entry, keras.layers.Layer):

@@ -65,7 +65,13 @@ def test_fit_in_mixed_precision(policy, kind, jit_compile):
     history = model.fit(x, y, sample_weight=sample_weight, batch_size=16, epochs=2,
                         shuffle=False, verbose=0, callbacks=[steps])
     compute_dtype = "float16" if policy == "mixed_float16" else "bfloat16"
-    assert model.layers[-1].compute_dtype == compute_dtype
+    hidden = model.layers[1] if kind == "functional" else model.hidden
+    assert hidden.compute_dtype == compute_dtype
+    # A functional model's softmax output computes in float32: its
+    # probabilities are float32's own (a 16-bit softmax cast up sums to 1
+    # only within ~1e-3), on TensorFlow as on JAX.
+    if kind == "functional":
+        assert model.layers[-1].compute_dtype == "float32"
     assert all(v.dtype == "float32" for v in model.weights)
     assert np.all(np.isfinite(history.history["loss"]))
     if policy == "mixed_float16":
@@ -84,7 +90,8 @@ def test_fit_in_mixed_precision(policy, kind, jit_compile):
     assert [step for step in range(1, 9) if steps.unchanged_by(step)] == unchanged
     predictions = model.predict(x[:4], verbose=0)
     assert predictions.dtype == np.float32
-    np.testing.assert_allclose(predictions.sum(axis=1), 1.0, rtol=1e-2)
+    np.testing.assert_allclose(predictions.sum(axis=1), 1.0,
+                               rtol=1e-6 if kind == "functional" else 1e-2)
 
 
 def test_loss_scale_too_high_is_backed_off_and_every_skip_counted():

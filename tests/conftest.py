@@ -238,6 +238,13 @@ SLOW = (
     "test_tfkeras_loss_scale_optimizer.py::testClipping",
     "test_tfkeras_loss_scale_optimizer.py::testCheckpoint",
     "test_tfkeras_loss_scale_optimizer.py::testFixedLossScaleAppliedToLossWithMinimize",
+    # Fits and exports of several small models each (2 to 6 s, 2026-11-28),
+    # so that the fast tier stays near 2 minutes; the skipped step's batch
+    # norm test stays in it.
+    "test_convert.py::test_train_on_batch_returns_what_keras_returns",
+    "test_model.py::test_losses_can_be_read_after_fit_as_in_keras",
+    "test_model.py::test_a_redone_batch_moves_batch_norm_statistics_once",
+    "test_export.py::test_a_subclassed_model_serves_float32_inputs_and_its_int_ids",
 )
 
 

@@ -298,12 +298,9 @@ def _retry_overflows(model, data, optimizer, retries):
     if _keras_internals.in_xla_context():
         return _retry_overflows_compiled(model, data, optimizer, retries)
 
-    names = []  # of the metrics' results, carried as a tuple
-
     def attempt(count, retry, loss, own):
         answer, own = _attempt(model, data, optimizer, retries_left=retries - count)
-        names[:] = list(own)
-        return count + 1, answer.retry, ops.cast(answer.loss, "float32"), tuple(own.values())
+        return count + 1, answer.retry, ops.cast(answer.loss, "float32"), own
 
     # The first attempt runs as straight-line code: a step inside a
     # `tf.while_loop` runs measurably slower (about 15% on a model of many
@@ -319,8 +316,7 @@ def _retry_overflows(model, data, optimizer, retries):
         return tf.while_loop(lambda count, retry, *_: retry, attempt,
                              (count, retry, loss, own))[2:]
 
-    loss, own = tf.cond(retry, lambda: redo(count, retry, loss, own), lambda: (loss, own))
-    return loss, dict(zip(names, own))
+    return tf.cond(retry, lambda: redo(count, retry, loss, own), lambda: (loss, own))
 
 
 def _retry_overflows_compiled(model, data, optimizer, retries):
@@ -344,13 +340,10 @@ def _retry_overflows_compiled(model, data, optimizer, retries):
     branch not taken costs its ops and no copies, `_retry_overflows` keeps
     the loop that redoes whole steps.
     """
-    names = []  # of the metrics' results, carried as a tuple
-
     def attempt(count):
         answer, own = _attempt(model, data, optimizer, retries_left=retries - count, defer=True)
-        names[:] = list(own)
         return (count + 1, answer.retry, ops.cast(answer.loss, "float32"), answer.finite,
-                answer.deferred, tuple(own.values()))
+                answer.deferred, own)
 
     count, retry, loss, finite, deferred, own = attempt(ops.convert_to_tensor(0))
     # A sparse gradient (an embedding's `IndexedSlices`) enters the loop as
@@ -373,4 +366,4 @@ def _retry_overflows_compiled(model, data, optimizer, retries):
     grads = [g if shape is None else tf.IndexedSlices(g[0], g[1], shape)
              for g, shape in zip(grads, dense_shapes)]
     deferred.apply_if(finite, grads, scale)
-    return loss, dict(zip(names, own))
+    return loss, own

@@ -138,7 +138,7 @@ def _doctor(args):
         if backend not in _MISSING_BACKEND:
             # Another Keras backend (torch, numpy): kmp's own error says so.
             return _fail(args, EXIT_NO_BACKEND, str(error))
-        message = _MISSING_BACKEND.get(backend)
+        message = _MISSING_BACKEND[backend]
         return _fail(
             args, EXIT_NO_BACKEND,
             message.format(error=f"{type(error).__name__}: {error}"),

@@ -91,19 +91,20 @@ def create_partial(filepath):
     )
 
 
-def replace_with_new_file(filepath):
-    """A descriptor, open for writing, of a new empty file moved onto
-    `filepath`: whatever sat there (a file, a link) is replaced, never
-    truncated or written through. For files written as they go (a CSV a row
-    at a time), which cannot be moved into place once complete."""
-    fd, partial = create_partial(filepath)
+def open_replacing(filepath, **open_kwargs):
+    """A text file open for writing (`open`'s `open_kwargs`): a new empty
+    file moved onto `filepath`, whatever sat there (a file, a link) replaced,
+    never truncated or written through, as `open(filepath, "w")` would. For
+    files written as they go (a CSV a row at a time), which cannot be moved
+    into place once complete."""
+    fd, partial = create_partial(os.fspath(filepath))
     try:
         os.replace(partial, filepath)
     except BaseException:
         os.close(fd)
         os.remove(partial)
         raise
-    return fd
+    return os.fdopen(fd, "w", **open_kwargs)
 
 
 def write_then_replace(filepath, write_fd=None, write_path=None):

@@ -36,10 +36,8 @@ class StepCsv:
         directory = os.path.dirname(self._path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        # A new file replaces whatever is at the path (a link planted there
-        # is not written through), as `open(path, "w")` would truncate it.
-        self._file = os.fdopen(
-            _atomic_files.replace_with_new_file(os.fspath(self._path)), "w", newline="")
+        # A link planted at the path is replaced, not written through.
+        self._file = _atomic_files.open_replacing(self._path, newline="")
         self._writer = csv.writer(self._file)
         self._writer.writerow(CSV_COLUMNS)
         self._file.flush()

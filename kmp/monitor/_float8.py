@@ -148,8 +148,7 @@ class Float8Monitor(keras.callbacks.Callback):
         if self.csv_path is not None:
             # A new file replaces whatever is at the path (a link planted
             # there is not written through); kept open for the epochs' rows.
-            self._csv = os.fdopen(_atomic_files.replace_with_new_file(
-                os.fspath(self.csv_path)), "w", encoding="utf-8")
+            self._csv = _atomic_files.open_replacing(self.csv_path, encoding="utf-8")
             self._csv.write(",".join(self.CSV_COLUMNS) + "\n")
             self._csv.flush()
 

@@ -104,8 +104,9 @@ class StepRecord(threading.local):
 
     def __init__(self):
         self._scaled, self._loss, self._divided = False, None, False
-        # Whether the gradients were divided inside a trace (`divided_in_trace`).
-        self._divided_traced = False
+        # Whether `get_unscaled_gradients` divided symbolic gradients (in a
+        # `tf.function` or `jax.jit` being traced) since the last `apply`.
+        self.divided_in_trace = False
         self.in_model_step, self.answer = False, None
 
     def __reduce__(self):
@@ -117,13 +118,7 @@ class StepRecord(threading.local):
 
     def note_divided(self, grads):
         self._divided = True
-        self._divided_traced = _any_traced(grads)
-
-    @property
-    def divided_in_trace(self):
-        """Whether `get_unscaled_gradients` divided symbolic gradients (in a
-        `tf.function` or `jax.jit` being traced) since the last `apply`."""
-        return self._divided_traced
+        self.divided_in_trace = _any_traced(grads)
 
     @contextlib.contextmanager
     def model_step(self):
@@ -141,7 +136,7 @@ class StepRecord(threading.local):
             loss = backends.get("step").usable_here(loss)
         taken = (self._scaled, self._divided, loss)
         self._scaled, self._loss, self._divided = False, None, False
-        self._divided_traced = False
+        self.divided_in_trace = False
         return taken
 
     def forget_traced(self):

@@ -18,9 +18,9 @@ made since a mark that take a variable's handle and do not only read it),
 not assumed: a frozen layer's weights are only read, so they get no select
 and no write (restoring every `model.non_trainable_variables` would rewrite
 a frozen backbone each step); what remains of them is a read taken before
-the pass and never used, which XLA drops. A variable whose handle reaches a nested function is
-counted as written (that function may assign it). JAX's step gets the same
-from Keras' stateless call (`kmp/backends/jax/trainer.py`).
+the pass and never used, which XLA drops. A variable whose handle reaches a
+nested function is counted as written (that function may assign it). JAX's
+step gets the same from Keras' stateless call (`kmp/backends/jax/trainer.py`).
 """
 
 import tensorflow as tf

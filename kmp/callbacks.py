@@ -90,9 +90,11 @@ def _with_readable_progbar(callbacks, verbose):
 class LossScaleMonitor(keras.callbacks.Callback):
     """Reports, explains and records every step that loss scaling skipped.
 
-    Add it to `fit` on a `kmp.Model` trained with loss scaling (a
-    `kmp.LossScaleOptimizer`). With any other optimizer there is nothing to
-    monitor and it does nothing.
+    Add it to `fit` on a `kmp.Model` whose steps can be skipped: under
+    every 16-bit policy (a `kmp.LossScaleOptimizer`, which under bfloat16 is
+    the guard, a scale fixed at 1), and under float32 compiled with
+    `skip_nonfinite=True` or `skip_spikes`. With any other optimizer there
+    is nothing to monitor, and it says so.
 
     It watches every `kmp.LossScaleOptimizer` the model holds as an attribute
     (`model.optimizer`, and a GAN's `d_optimizer` and `g_optimizer` that its
@@ -131,8 +133,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
     A *forward* overflow is a step whose unscaled loss was already inf or NaN:
     the data or the model is broken, and lowering the scale cannot help. A
     *backward* overflow is a step whose loss was finite but whose gradients
-    were not: the scale was too high for them, which dynamic scaling handles
-    by backing off. For backward overflows the monitor names the first
+    were not: under float16 the scale was too high for them, which dynamic
+    scaling handles by backing off. A *spike* (`compile(skip_spikes=...)`)
+    is a step whose finite loss was far above the recent ones. Where nothing
+    scales (bfloat16, float32) the lines and messages leave the scale out. For backward overflows the monitor names the first
     variables (in the optimizer's order) whose gradients were not finite:
     the optimizer finds them on the device, with one `isfinite` reduction per
     gradient, and only on skipped steps.
@@ -168,8 +172,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         csv_path: Optional path. Where to write one row per step: `step`
             (counting applied and skipped steps over the optimizer's life),
             `loss` (the step's loss, not the epoch average), `loss_scale` (after
-            the step), `skipped` (0/1), `reason` (`""`, `"forward"`,
-            `"backward"`), `nonfinite_variables`. The file is rewritten at the
+            the step; 1 where nothing scales), `skipped` (0/1), `reason`
+            (`""`, `"forward"`, `"backward"`, `"spike"`),
+            `nonfinite_variables`. The file is rewritten at the
             start of each fit and flushed at the end of each epoch, so a run
             that crashes keeps its completed epochs. Defaults to `None`.
         plot_path: Optional path. Where to write, at the end of training, a
@@ -194,8 +199,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         epoch_summaries: List of dicts, one per epoch and watched optimizer
             (in the order of their attributes): `optimizer` (its attribute
             name), `epoch`, `steps`, `skipped`, `forward`, `backward`,
-            `start_scale`, `end_scale`, `min_scale`, `max_scale`,
-            `nonfinite_variables`.
+            `spikes`, `start_scale`, `end_scale`, `min_scale`, `max_scale`,
+            `nonfinite_variables`, `retried`, `scaling` (whether the
+            optimizer scales the loss).
 
     Raises:
         ValueError: if `max_consecutive_skips`, `warn_skip_rate` or `verbose`

@@ -35,6 +35,7 @@ from kmp import backends
 from kmp.scaling import _handoff
 from kmp.scaling import _rule as _scaling_rule
 from kmp.scaling import _settings as settings
+from kmp.scaling import _spikes
 from kmp.scaling import _step as _scaling_step
 from kmp.scaling._gradients import all_finite  # noqa: F401  (public in this module)
 from kmp.scaling._rule import LossScaleState  # noqa: F401  (public in this module)
@@ -102,6 +103,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         enabled: Bool. `False`: `scale_loss` returns the loss unchanged and
             `apply` hands the gradients to the inner optimizer as they are;
             the variables still exist. Defaults to `True`.
+        skip_spikes: Optional float > 0. Also skip a step whose loss is more
+            than this many standard deviations above the mean of the last
+            `spike_window` finite losses, once `spike_warmup` of them were
+            seen (OLMo-core's rule; `kmp.scaling._spikes`), decided on the
+            device. The step needs the loss: kmp.Model's step passes it, a
+            custom step through `scale_loss`. Defaults to `None` (off).
+        spike_window: Int in [2, 65536]. Defaults to `128`.
+        spike_warmup: Int >= 2. Defaults to `64`.
         name: Optional string. The optimizer's name.
         dynamic_growth_steps: Optional int. Keras' name for `growth_interval`.
 
@@ -137,13 +146,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                  growth_interval=settings.DEFAULT_GROWTH_INTERVAL, hysteresis=1,
                  min_scale=settings.DEFAULT_MIN_SCALE, max_scale=settings.DEFAULT_MAX_SCALE,
                  clipnorm=None, global_clipnorm=None, clipvalue=None,
-                 enabled=True, name=None, dynamic_growth_steps=None, **kwargs):
+                 enabled=True, skip_spikes=None, spike_window=_spikes.DEFAULT_WINDOW,
+                 spike_warmup=_spikes.DEFAULT_WARMUP, name=None, dynamic_growth_steps=None,
+                 **kwargs):
         settings.check_base_arguments(kwargs)
         growth_interval = settings.resolve_growth_interval(growth_interval, dynamic_growth_steps)
         inner_optimizer = settings.resolve_inner_optimizer(inner_optimizer)
         clipping = dict(clipnorm=clipnorm, global_clipnorm=global_clipnorm, clipvalue=clipvalue)
         settings.check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growth_interval,
                         hysteresis, min_scale, max_scale, clipping, enabled)
+        settings.check_spike_settings(skip_spikes, spike_window, spike_warmup, inner_optimizer)
         settings.forward_clipping(inner_optimizer, clipping)
         super().__init__(inner_optimizer, initial_scale=float(initial_scale),
                          dynamic_growth_steps=int(growth_interval), name=name)
@@ -151,6 +163,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
         self.min_scale, self.max_scale = float(min_scale), float(max_scale)
+        self.skip_spikes = None if skip_spikes is None else float(skip_spikes)
+        self.spike_window, self.spike_warmup = int(spike_window), int(spike_warmup)
         # Set while a kmp.callbacks.LossScaleMonitor watches training: only
         # then does a traced step record which variables overflowed.
         self._monitored = False
@@ -177,8 +191,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._accumulation_window = _scaling_step.add_state_variable(
                 self, "accumulation_window", (2,), _COUNTER_DTYPE, 0
             )
+        if self.skip_spikes is not None:
+            # The spike rule's recent losses, and [losses seen, spikes].
+            self._spike_window = _scaling_step.add_state_variable(
+                self, "spike_window", (self.spike_window,), "float32", 0.0
+            )
+            self._spike_counts = _scaling_step.add_state_variable(
+                self, "spike_counts", (2,), _COUNTER_DTYPE, 0
+            )
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
+
+    @property
+    def scaling(self):
+        """Bool: whether it scales the loss (enabled, and its scale is not
+        fixed at 1). A scale fixed at 1 (`compile`'s guard under bfloat16,
+        `skip_nonfinite=True` under float32) scales nothing, so `scale_loss`
+        and `apply` leave the loss and the gradients as they are: only the
+        skip of a non-finite step (or a spike) remains."""
+        return self.enabled and (self.dynamic or self.initial_scale != 1.0)
 
     @property
     def loss_scale(self):
@@ -234,6 +265,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.enabled:
             return loss
+        if not self.scaling:
+            self._kmp_record.note_scaled(loss)  # the loss, for the spike rule
+            return loss
         scale = self.loss_scale
         if backends.get("step").read_once(loss, scale):
             raise ValueError(self._read_once_error("scale_loss"))
@@ -264,7 +298,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `apply_gradients` then checks them, skips a non-finite step and
         updates the scale, but does not divide again. `None` entries pass.
         """
-        if not self.enabled:
+        if not self.scaling:
             return list(grads)
         grads = list(grads)
         scale = self.loss_scale
@@ -360,7 +394,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"of a window). Received: gradient_accumulation_steps={steps}"
             )
         return backends.get("step").apply(
-            self, grads, trainable_variables, divide=divide, loss=loss, request=request
+            self, grads, trainable_variables, divide=divide and self.scaling, loss=loss,
+            request=request,
         )
 
     def get_config(self):
@@ -369,7 +404,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "initial_scale": self.initial_scale,
         }
-        names = _scaling_rule.RULE_SETTINGS + settings.CLIPPING + ("enabled",)
+        names = _scaling_rule.RULE_SETTINGS + settings.CLIPPING + (
+            "enabled", "skip_spikes", "spike_window", "spike_warmup")
         return dict(config, **{name: getattr(self, name) for name in names})
 
     @classmethod

@@ -1,174 +1,19 @@
 """kmp.Model: a keras.Model whose training applies the precision policy."""
 
 import functools
-import numbers
 
 import keras
-import numpy as np
 
 from kmp import _keras_internals
+from kmp.scaling import _compile as _scaling_compile
 from kmp.scaling import _model_step
 from kmp.precision import _float8_training
 from kmp.precision import _settle as _precision
-from kmp.scaling import _settings as _scaler_settings
 from kmp import backends
 from kmp import export as export_module
-from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
-from kmp.precision._float32_layers import _computes_in_float16
 from kmp.precision._float32_layers import _to_float32
 from kmp.precision._float32_layers import _unsettled_config
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-_LOSS_SCALE_CHOICES = (
-    f"'auto', 'dynamic', a number in (0, {_FLOAT32_MAX:.8g}] (float32), or None"
-)
-# `overflow_retries` counts down in an int32 tensor of the retry loop.
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-
-def _loss_scale_optimizer(optimizer, loss_scale, model):
-    """Returns the optimizer `compile` should use for `loss_scale`."""
-    if isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
-        return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        # One scaler, never two: take over Keras' settings with kmp's.
-        inner = optimizer.inner_optimizer
-        if loss_scale is None:
-            return inner
-        return loss_scale_module.LossScaleOptimizer(
-            inner, **_scaler_settings.from_keras_scaler(optimizer)
-        )
-    if loss_scale == "auto":
-        loss_scale = "dynamic" if _computes_in_float16(model) else None
-    if loss_scale is None or optimizer is None:
-        return optimizer
-    if loss_scale == "dynamic":
-        return loss_scale_module.LossScaleOptimizer(optimizer)
-    return loss_scale_module.LossScaleOptimizer(
-        optimizer,
-        initial_scale=loss_scale,
-        dynamic=False,
-        min_scale=loss_scale,
-        max_scale=loss_scale,
-    )
-
-
-def _users_scaler(given, optimizer, model):
-    """The loss scaler `compile` uses, if the user made it; else `None`.
-
-    Args:
-        given: The optimizer passed to `compile` (after
-            `keras.optimizers.get`).
-        optimizer: The optimizer `compile` uses (`_loss_scale_optimizer`'s).
-        model: The model being compiled, still holding its previous
-            optimizer.
-
-    A scaler the user passed (kmp's, or Keras' that kmp took over) keeps
-    Keras' semantics: an overflowing batch is skipped, not redone, unless
-    `overflow_retries` asks for retries. The scaler kmp made around a plain
-    optimizer stays kmp's when it is compiled again (`compile(
-    model.optimizer)`).
-    """
-    if not (
-        isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
-        and isinstance(given, keras.optimizers.LossScaleOptimizer)
-    ):
-        return None
-    previous = getattr(model, "optimizer", None)
-    if given is previous and previous is not getattr(model, "_kmp_users_scaler", None):
-        return None
-    return optimizer
-
-
-def _continue_scaling(model, previous, scaler):
-    """Starts `scaler` (made by a recompile) at `previous`'s scale and counters.
-
-    A fine-tune compiles again with a new optimizer; a fresh scaler would
-    start at 2**15 again and drop the batches that overflow until it has
-    backed off to where the last one was. A scaler the user passes starts
-    as it was made.
-    """
-    if not (
-        isinstance(previous, loss_scale_module.LossScaleOptimizer)
-        and isinstance(scaler, loss_scale_module.LossScaleOptimizer)
-        and previous.built
-        and previous.dynamic
-        and scaler.dynamic
-        and model.built
-    ):
-        return
-    with _strategy_scope(model):
-        if not scaler.built:
-            scaler.build(model.trainable_variables)
-        scaler._kmp_scale.assign(
-            min(max(float(previous.loss_scale), scaler.min_scale), scaler.max_scale)
-        )
-        scaler._counters.assign(previous._counters.value)
-
-
-def _strategy_scope(model):
-    return backends.get("trainer").strategy_scope(model)
-
-
-def _check_loss_scale(loss_scale):
-    if loss_scale in (None, "auto", "dynamic"):
-        return
-    # A fixed scale is held in a float32 variable: beyond float32's range it
-    # would become inf (or 0), and every step would be skipped.
-    if (
-        isinstance(loss_scale, bool)
-        or not isinstance(loss_scale, numbers.Real)
-        or not (0 < loss_scale <= _FLOAT32_MAX)
-        or np.float32(loss_scale) == 0
-    ):
-        raise ValueError(
-            f"`loss_scale` must be {_LOSS_SCALE_CHOICES}. "
-            f"Received: loss_scale={loss_scale!r}"
-        )
-
-
-def _check_overflow_retries(overflow_retries):
-    if overflow_retries == "auto":
-        return
-    if (
-        isinstance(overflow_retries, bool)
-        or not isinstance(overflow_retries, numbers.Integral)
-        or not 0 <= overflow_retries <= _INT32_MAX
-    ):
-        raise ValueError(
-            f"`overflow_retries` must be 'auto' or an integer in [0, {_INT32_MAX}] (0: a "
-            "batch whose gradients overflow is dropped at once). Received: "
-            f"overflow_retries={overflow_retries!r}"
-        )
-
-
-def _with_scaling_settings(model, config):
-    """`config` (Keras' compile config) with kmp's compile arguments."""
-    if config:  # Keras returns {} for a model that was never compiled.
-        config["loss_scale"] = getattr(model, "_kmp_loss_scale", "auto")
-        config["overflow_retries"] = getattr(model, "_kmp_overflow_retries", "auto")
-        # Whether the user passed the scaler (no retries by default); the
-        # loaded optimizer is passed to compile() again, which would
-        # otherwise take it for the user's.
-        config["users_scaler"] = _model_step.is_users_scaler(
-            model, getattr(model, "optimizer", None)
-        )
-    return config
-
-
-def _compile_from_config(model, config):
-    config = keras.saving.deserialize_keras_object(config)
-    # Files saved before kmp told the two apart: the scaler kmp made.
-    users_scaler = config.pop("users_scaler", False)
-    model.compile(**config)
-    object.__setattr__(
-        model, "_kmp_users_scaler", getattr(model, "optimizer", None) if users_scaler else None
-    )
-    if getattr(model, "optimizer", None) is not None and model.built:
-        model.optimizer.build(model.trainable_variables)
-
 
 @functools.cache
 def _functional_class(cls):
@@ -298,11 +143,11 @@ class Model(_keras_internals.ModelBase):
         return (_to_float32(outputs), *rest)
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries="auto",
-                **kwargs):
-        """Configures the model for training, with loss scaling.
+                skip_nonfinite="auto", skip_spikes=None, **kwargs):
+        """Configures the model for training, with loss scaling and the guard.
 
-        Takes every argument of `keras.Model.compile`, plus `loss_scale` and
-        `overflow_retries`.
+        Takes every argument of `keras.Model.compile`, plus `loss_scale`,
+        `overflow_retries`, `skip_nonfinite` and `skip_spikes`.
 
         Args:
             optimizer: As for `keras.Model.compile`. A
@@ -340,29 +185,49 @@ class Model(_keras_internals.ModelBase):
                 round trip and `kmp.load_model` keep whose scaler it is;
                 recompiling keeps the scale and counters of the scaler kmp
                 made (see `optimizer`).
+            skip_nonfinite: `"auto"`, `True` or `False`. Whether a step whose
+                loss or gradients are not finite is skipped (weights, slots,
+                `iterations` and what its forward pass wrote left as they
+                were) and counted in `skipped_steps`. `"auto"` (the default):
+                where the model computes in bfloat16 (one NaN record would
+                otherwise turn the weights NaN for good) and wherever a loss
+                scaler runs (float16's does it); under float32, and under
+                float16 with `loss_scale=None`, Keras' behaviour (no guard).
+                Without loss scaling the guard is a `kmp.LossScaleOptimizer`
+                whose scale is fixed at 1: it scales nothing. `True`: the
+                guard under every policy. `False` turns it off (with loss
+                scaling, which needs it, a `ValueError`).
+            skip_spikes: Optional float > 0. Also skip a step whose loss is
+                more than this many standard deviations above the mean of
+                the last 128 finite losses (after the first 64), decided on
+                the device and counted in `skipped_steps`. Defaults to
+                `None` (off).
             **kwargs: The other arguments of `keras.Model.compile`.
                 `auto_scale_loss=False` means `loss_scale=None`.
 
         Raises:
-            ValueError: if `loss_scale` or `overflow_retries` is not one of
-                the above, the model is under a `tf.distribute` strategy kmp
-                does not support (`kmp/backends/tensorflow/distribute.py`), or,
-                on JAX, `overflow_retries` is an int > 0.
+            ValueError: if an argument above is not one of its choices,
+                `skip_nonfinite=False` meets loss scaling, the model is under
+                a `tf.distribute` strategy kmp does not support
+                (`kmp/backends/tensorflow/distribute.py`), or, on JAX,
+                `overflow_retries` is an int > 0.
             NotImplementedError: on JAX, under a `tf.distribute` strategy's
                 scope (use `keras.distribution` there).
         """
-        _check_loss_scale(loss_scale)
-        _check_overflow_retries(overflow_retries)
+        _scaling_compile.check_settings(loss_scale, overflow_retries, skip_nonfinite, skip_spikes)
         backends.get("trainer").check_compile(self, overflow_retries)
         if kwargs.pop("auto_scale_loss", True) is False and loss_scale == "auto":
             loss_scale = None
         optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
         given = optimizer
-        optimizer = _loss_scale_optimizer(optimizer, loss_scale, self)
-        users_scaler = _users_scaler(given, optimizer, self)
+        optimizer = _scaling_compile.scaler_for(
+            optimizer, self, loss_scale, skip_nonfinite, skip_spikes)
+        users_scaler = _scaling_compile.users_scaler(given, optimizer, self)
         previous = getattr(self, "optimizer", None)
         self._kmp_loss_scale = loss_scale
         self._kmp_overflow_retries = overflow_retries
+        self._kmp_skip_nonfinite = skip_nonfinite
+        self._kmp_skip_spikes = skip_spikes
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
         # object.__setattr__: Keras would track the optimizer as the model's
         # state. Compared by identity (`_model_step.retries_on`): an
@@ -370,15 +235,16 @@ class Model(_keras_internals.ModelBase):
         object.__setattr__(self, "_kmp_users_scaler", users_scaler)
         if optimizer is not given and users_scaler is None:
             # kmp made this scaler: it goes on from the last one.
-            _continue_scaling(self, previous, optimizer)
+            _scaling_compile.continue_scaling(self, previous, optimizer)
 
     def get_compile_config(self):
-        return _with_scaling_settings(self, super().get_compile_config())
+        return _scaling_compile.with_settings(
+            self, super().get_compile_config(), _model_step.is_users_scaler)
 
     def compile_from_config(self, config):
         # Keras skips compile() on load when a class overrides it; ours only
-        # adds `loss_scale` and `overflow_retries`, which the config carries.
-        _compile_from_config(self, config)
+        # adds kmp's arguments, which the config carries.
+        _scaling_compile.compile_from_config(self, config)
 
     def export(
         self,
@@ -454,7 +320,7 @@ class Model(_keras_internals.ModelBase):
         # run without training=True, are named before the first step.
         _float8_training.warn_if_not_recording(self)
         trainer = backends.get("trainer")
-        _model_step.wrap_optimizers(self, _loss_scale_optimizer)
+        _model_step.wrap_optimizers(self, _scaling_compile.scaler_for)
         own_wrapper = getattr(vars(self).get("train_step"), "_kmp_reporting", False)
         if "train_step" not in vars(self) or (own_wrapper and trainer.REWRAP_EACH_TRAIN_FUNCTION):
             # On this instance (no class is changed): Keras' function and

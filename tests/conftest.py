@@ -37,6 +37,7 @@ JAX_TESTS = (
     "test_backends.py",
     "test_float8.py",
     "test_epoch_logs.py",
+    "test_guard.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
 JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py", "test_jax_install.py")

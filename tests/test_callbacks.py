@@ -402,14 +402,16 @@ def test_forward_overflow_on_one_replica_under_mirrored_strategy():
     assert (summary["steps"], summary["skipped"], summary["forward"]) == (2, 1, 1)
 
 
-def test_nothing_to_monitor_without_loss_scaling(tmp_path, capsys):
-    kmp.set_policy("mixed_bfloat16")
+def test_nothing_to_monitor_without_a_guard(tmp_path, capsys):
+    # float32 keeps Keras' step unless compile asks for the guard.
+    kmp.set_policy("float32")
     inputs = keras.Input((4,))
     model = kmp.Model(inputs, keras.layers.Dense(2)(inputs))
     model.compile(optimizer="sgd", loss="mse")
     monitor = kmp.callbacks.LossScaleMonitor(csv_path=tmp_path / "s.csv", plot_path=tmp_path / "p.png")
     history = _fit(model, _data(2), callbacks=[monitor])
-    assert "nothing to monitor" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nothing to monitor" in out and "skip_nonfinite=True" in out
     assert not (tmp_path / "s.csv").exists() and not (tmp_path / "p.png").exists()
     assert set(history.history) == {"loss"}
 

@@ -233,7 +233,9 @@ def test_compiled_model_is_compiled_the_same_with_a_fresh_optimizer():
     history = converted.fit(x, y, epochs=1, verbose=0)
     assert set(history.history) >= {"loss", "accuracy", "loss_scale"}
     bf16 = kmp.convert(model, "mixed_bfloat16")
-    assert isinstance(bf16.optimizer, keras.optimizers.Adam)  # nothing to scale
+    # Nothing to scale: the guard alone, around a fresh Adam.
+    assert isinstance(bf16.optimizer, kmp.LossScaleOptimizer) and not bf16.optimizer.scaling
+    assert isinstance(bf16.optimizer.inner_optimizer, keras.optimizers.Adam)
     assert not getattr(kmp.convert(model, compile=False), "compiled", False)
 
 

@@ -40,7 +40,7 @@ def test_counts_reasons_scales_and_summaries_by_hand():
     assert ledger.last_names == ["a/kernel", "c/gamma"]
     first = ledger.end_epoch()
     assert first == {
-        "epoch": 1, "steps": 7, "skipped": 4, "forward": 2, "backward": 2,
+        "epoch": 1, "steps": 7, "skipped": 4, "forward": 2, "backward": 2, "spikes": 0,
         "start_scale": 1024.0, "end_scale": 2048.0, "min_scale": 256.0,
         "max_scale": 2048.0,
         "nonfinite_variables": ["a/kernel", "b/bias", "c/gamma"],
@@ -62,6 +62,14 @@ def test_counts_reasons_scales_and_summaries_by_hand():
         "scale_before": [1024.0, 1024.0, 512.0, 256.0, 2048.0],
         "reason": ["", "backward", "forward", "forward+backward", ""],
     }
+    # A sixth counter, the loss spikes: a skip that is neither overflow.
+    ledger.begin_epoch(3)
+    row = ledger.record((19, 7, 3, 1, 0, 1), 9.5, 2048.0, _no_names)
+    assert (row.skipped, row.reason) == (1, "spike")
+    row = ledger.record((21, 9, 4, 2, 1, 2), 0.2, 1024.0, lambda: ["a/kernel"])
+    assert (row.skipped, row.reason, row.nonfinite_variables) == (2, "forward+spike", [])
+    third = ledger.end_epoch()
+    assert (third["skipped"], third["forward"], third["backward"], third["spikes"]) == (3, 1, 0, 2)
 
 
 def test_stop_step_within_an_execution():

@@ -426,6 +426,12 @@ def test_string_inner_optimizer_is_resolved():
         ({"dynamic": "yes"}, "dynamic"),
         ({"dynamic_growth_steps": 0}, "dynamic_growth_steps"),
         ({"dynamic_growth_steps": 2, "growth_interval": 3}, "pass one of them"),
+        ({"skip_spikes": 0.0}, "`skip_spikes` must be a finite number > 0 or None"),
+        ({"skip_spikes": float("inf")}, "skip_spikes=inf"),
+        ({"skip_spikes": "6"}, "skip_spikes='6'"),
+        ({"spike_window": 1}, "`spike_window` must be an integer in [2, 65536]"),
+        ({"spike_window": 2**17}, "spike_window=131072"),
+        ({"spike_warmup": 1}, "`spike_warmup` must be an integer in [2, "),
     ],
 )
 def test_invalid_arguments_raise_value_error_naming_them(kwargs, argument):
@@ -449,6 +455,13 @@ def test_inner_optimizer_must_be_a_plain_keras_optimizer():
         kmp.LossScaleOptimizer("not_an_optimizer")
 
 
+def test_spikes_are_refused_with_gradient_accumulation():
+    inner = keras.optimizers.SGD(gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match=r"Received: skip_spikes=6.0, gradient_accumulation_steps=4"):
+        kmp.LossScaleOptimizer(inner, skip_spikes=6.0)
+    assert kmp.LossScaleOptimizer(inner).skip_spikes is None
+
+
 def test_config_round_trip_keeps_every_argument():
     optimizer = kmp.LossScaleOptimizer(
         keras.optimizers.Adam(0.003),
@@ -461,9 +474,13 @@ def test_config_round_trip_keeps_every_argument():
         min_scale=0.5,
         max_scale=4096.0,
         global_clipnorm=2.5,
+        skip_spikes=4.5,
+        spike_window=16,
+        spike_warmup=9,
         name="my_scaler",
     )
     config = optimizer.get_config()
+    assert (config["skip_spikes"], config["spike_window"], config["spike_warmup"]) == (4.5, 16, 9)
     restored = keras.saving.deserialize_keras_object(
         keras.saving.serialize_keras_object(optimizer)
     )

@@ -175,7 +175,7 @@ def test_progress_bar_names_each_optimizer_without_a_monitor(gan, capsys):
     _fit(gan, _data(6, **_POISON), verbose=1)
     out = capsys.readouterr().out
     assert (
-        "kmp: training steps were skipped because their gradients were not finite: "
+        "kmp: training steps were skipped because their loss or gradients were not finite: "
         "d_optimizer skipped 2 of 6 (loss scale now 256); "
         "g_optimizer skipped 1 of 6 (loss scale now 512). Add "
         "kmp.callbacks.LossScaleMonitor() to the callbacks to see which steps and why."

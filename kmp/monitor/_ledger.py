@@ -10,6 +10,7 @@ import collections
 
 REASON_FORWARD = "forward"
 REASON_BACKWARD = "backward"
+REASON_SPIKE = "spike"
 
 # One record as the CSV and the plot see it.
 Step = collections.namedtuple(
@@ -26,15 +27,18 @@ class Ledger:
 
     ```
     record(counters = (step, skipped_total, forward_total,
-                       consecutive, consecutive_forward), loss, loss_scale):
+                       consecutive, consecutive_forward, spikes_total),
+           loss, loss_scale):
         steps    = step - last step                    # 1, or steps_per_execution
         skipped  = skipped_total - last skipped_total  # 0 .. steps
         forward  = forward_total - last forward_total  # the loss was not finite
-        backward = skipped - forward                   # the gradients were not
+        spikes   = spikes_total - last spikes_total    # the loss spiked
+        backward = skipped - forward - spikes          # the gradients were not finite
         if steps <= 0: nothing happened, keep nothing
-        reason = "forward", "backward" or "forward+backward" when skipped
-        the epoch adds steps, skipped, forward, backward; its end scale is
-        loss_scale, its min and max scales take it in; history adds a row
+        reason = "forward", "backward", "spike", or several joined by "+"
+        the epoch adds steps, skipped, forward, backward, spikes; its end
+        scale is loss_scale, its min and max scales take it in; history
+        adds a row
     ```
 
     Args:
@@ -53,7 +57,7 @@ class Ledger:
         history: Dict of lists, one item per record with steps: `step`,
             `loss`, `loss_scale` (after the step), `scale_before`, `reason`.
         epoch_summaries: List of dicts, one per ended epoch: `epoch`,
-            `steps`, `skipped`, `forward`, `backward`, `start_scale`,
+            `steps`, `skipped`, `forward`, `backward`, `spikes`, `start_scale`,
             `end_scale`, `min_scale`, `max_scale`, `nonfinite_variables`.
 
     Example:
@@ -71,7 +75,11 @@ class Ledger:
     """
 
     def __init__(self, counters=(0, 0, 0), scale=1.0):
-        self._totals = tuple(int(c) for c in counters[:3])
+        # (step, skipped, forward, spikes) totals; a spike count of 0 where
+        # the counters predate it.
+        counters = list(counters)
+        self._totals = tuple(int(c) for c in counters[:3]) + (
+            int(counters[5]) if len(counters) > 5 else 0,)
         self.scale = float(scale)
         self.consecutive = 0
         self.consecutive_forward = 0
@@ -95,6 +103,7 @@ class Ledger:
             "skipped": 0,
             "forward": 0,
             "backward": 0,
+            "spikes": 0,
             "start_scale": self.scale,
             "end_scale": self.scale,
             "min_scale": self.scale,
@@ -106,9 +115,10 @@ class Ledger:
         """Takes in one step's (or execution's) counters.
 
         Args:
-            counters: Sequence of 5 ints: the optimizer's `step`,
-                `skipped_total`, `forward_total`, `consecutive` and
-                `consecutive_forward` after the step.
+            counters: Sequence of 5 or 6 ints: the optimizer's `step`,
+                `skipped_total`, `forward_total`, `consecutive`,
+                `consecutive_forward` and `spikes_total` (0 where missing)
+                after the step.
             loss: Float. The step's loss.
             loss_scale: Float. The loss scale after the step.
             nonfinite_names: Callable returning the names of the variables
@@ -121,23 +131,25 @@ class Ledger:
             `nonfinite_variables`), or `None` when no step was taken since
             the record before.
         """
-        step, skipped_total, forward_total, consecutive, consecutive_forward = (
-            int(c) for c in counters[:5]
-        )
-        last_step, last_skipped, last_forward = self._totals
-        self._totals = (step, skipped_total, forward_total)
+        counters = [int(c) for c in counters[:6]]
+        step, skipped_total, forward_total, consecutive, consecutive_forward = counters[:5]
+        spikes_total = counters[5] if len(counters) > 5 else 0
+        last_step, last_skipped, last_forward, last_spikes = self._totals
+        self._totals = (step, skipped_total, forward_total, spikes_total)
         self.consecutive = consecutive
         self.consecutive_forward = consecutive_forward
         steps = step - last_step
         skipped = skipped_total - last_skipped
         forward = forward_total - last_forward
+        spikes = spikes_total - last_spikes
         if steps <= 0:
             return None
-        backward = skipped - forward
+        backward = skipped - forward - spikes
         reason, names = "", []
         if skipped:
             reason = "+".join(
-                r for r, n in ((REASON_FORWARD, forward), (REASON_BACKWARD, backward)) if n
+                r for r, n in ((REASON_FORWARD, forward), (REASON_BACKWARD, backward),
+                               (REASON_SPIKE, spikes)) if n
             )
             if backward and nonfinite_names is not None:
                 names = list(nonfinite_names())
@@ -147,6 +159,7 @@ class Ledger:
         epoch["skipped"] += skipped
         epoch["forward"] += forward
         epoch["backward"] += backward
+        epoch["spikes"] += spikes
         epoch["end_scale"] = loss_scale
         epoch["min_scale"] = min(epoch["min_scale"], loss_scale)
         epoch["max_scale"] = max(epoch["max_scale"], loss_scale)

@@ -63,37 +63,50 @@ def skip_rate(summary):
 
 def nothing_to_monitor(compute_dtype):
     return (
-        "LossScaleMonitor: the optimizer does not scale the loss "
-        f"(compute dtype {compute_dtype}), so no step can be skipped; nothing "
-        "to monitor."
+        "LossScaleMonitor: no optimizer of this model skips a step (compute dtype "
+        f"{compute_dtype}: Keras' behaviour, nothing is checked), so there is nothing to "
+        "monitor. Compile with skip_nonfinite=True to skip and count the steps whose "
+        "loss or gradients are not finite."
     )
 
 
-def skipped_in_fit(skipped, steps, scale):
-    """The line kmp's progress bar prints at the end of a fit without a monitor."""
+def _scale_now(scale, before="; "):
+    """`; the loss scale is now 1024`, or nothing without one (`None`)."""
+    return "" if scale is None else f"{before}the loss scale is now {format_scale(scale)}"
+
+
+def _because(spikes):
+    return "their loss or gradients were not finite" + (
+        " or their loss spiked" if spikes else "")
+
+
+def skipped_in_fit(skipped, steps, scale, spikes=False):
+    """The line kmp's progress bar prints at the end of a fit without a
+    monitor (`scale`: the loss scale now, `None` where nothing scales;
+    `spikes`: whether loss spikes are skipped too)."""
     return (
         f"kmp: {skipped} of {steps} training steps were skipped because "
-        "their gradients were not finite; the loss scale is now "
-        f"{format_scale(scale)}. Add kmp.callbacks.LossScaleMonitor() to the "
-        "callbacks to see which steps and why."
+        f"{_because(spikes)}{_scale_now(scale)}. "
+        "Add kmp.callbacks.LossScaleMonitor() to the callbacks to see which steps and why."
     )
 
 
-def skipped_in_fit_by_optimizer(counts):
+def skipped_in_fit_by_optimizer(counts, spikes=False):
     """The end-of-fit line for several optimizers.
 
     Args:
         counts: List of `(name, skipped, steps, scale)`, one per optimizer
-            that took steps in the fit.
+            that took steps in the fit (`scale` `None` where nothing scales).
+        spikes: Bool. Whether any of them skips loss spikes too.
     """
     parts = "; ".join(
-        f"{name} skipped {skipped} of {steps} (loss scale now {format_scale(scale)})"
+        f"{name} skipped {skipped} of {steps}"
+        + ("" if scale is None else f" (loss scale now {format_scale(scale)})")
         for name, skipped, steps, scale in counts
     )
     return (
-        "kmp: training steps were skipped because their gradients were not "
-        f"finite: {parts}. Add kmp.callbacks.LossScaleMonitor() to the "
-        "callbacks to see which steps and why."
+        f"kmp: training steps were skipped because {_because(spikes)}: {parts}. "
+        "Add kmp.callbacks.LossScaleMonitor() to the callbacks to see which steps and why."
     )
 
 
@@ -114,19 +127,27 @@ def for_optimizer(name, text):
 
 def epoch_line(summary):
     """`epoch 3: 12 of 500 steps skipped (2.4%: 12 backward, 0 forward), loss
-    scale 32768 -> 65536 (min 16384, max 65536)`."""
+    scale 32768 -> 65536 (min 16384, max 65536)`; without the loss scale
+    where nothing scales (`summary["scaling"]` false)."""
     steps, skipped = summary["steps"], summary["skipped"]
+    spikes = summary.get("spikes", 0)
     breakdown = (
         f": {summary['backward']} backward, {summary['forward']} forward"
+        + (f", {plural(spikes, 'loss spike')}" if spikes else "")
         if skipped
         else ""
     )
     retried = summary.get("retried", 0)
     batches = "batch" if retried == 1 else "batches"
     retries = f", {retried} {batches} retried at a lower scale" if retried else ""
-    return (
+    line = (
         f"epoch {summary['epoch']}: {skipped} of {plural(steps, 'step')} "
-        f"skipped ({skip_rate(summary):.1%}{breakdown}{retries}), loss scale "
+        f"skipped ({skip_rate(summary):.1%}{breakdown}{retries})"
+    )
+    if not summary.get("scaling", True):
+        return line
+    return (
+        f"{line}, loss scale "
         f"{format_scale(summary['start_scale'])} -> "
         f"{format_scale(summary['end_scale'])} "
         f"(min {format_scale(summary['min_scale'])}, "
@@ -152,6 +173,12 @@ def skip_rate_warning(summary, warn_skip_rate):
             f"{plural(summary['forward'], 'forward overflow')} (the loss "
             "itself was inf or NaN)"
         )
+    if summary.get("spikes"):
+        parts.append(
+            f"{plural(summary['spikes'], 'loss spike')} (a finite loss far above the "
+            "recent ones: skip_spikes)"
+        )
+    scaling = summary.get("scaling", True)
     causes = []
     if summary["forward"]:
         causes.append(
@@ -163,10 +190,17 @@ def skip_rate_warning(summary, warn_skip_rate):
     if summary["backward"]:
         causes.append(
             "a learning rate too high, so the weights diverge: lower it or "
-            "clip the gradients (global_clipnorm=1.0); if the scale keeps "
-            "growing back into overflows, raise growth_interval"
+            "clip the gradients (global_clipnorm=1.0)"
+            + ("; if the scale keeps growing back into overflows, raise growth_interval"
+               if scaling else "")
         )
-    causes.append("where the hardware supports it, mixed_bfloat16 needs no loss scaling")
+    if summary.get("spikes"):
+        causes.append(
+            "batches unlike the others (corrupt records, a shuffle that groups outliers): "
+            "check the data, or raise skip_spikes"
+        )
+    if scaling:
+        causes.append("where the hardware supports it, mixed_bfloat16 needs no loss scaling")
     return (
         f"LossScaleMonitor: epoch {summary['epoch']} skipped "
         f"{summary['skipped']} of {summary['steps']} steps "
@@ -175,7 +209,7 @@ def skip_rate_warning(summary, warn_skip_rate):
     )
 
 
-def stop_message(stopped_step, step, limit, forward, names, scale):
+def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False):
     """Why training stops at `stopped_step` after `limit` consecutive skips.
 
     Args:
@@ -185,7 +219,8 @@ def stop_message(stopped_step, step, limit, forward, names, scale):
         forward: Bool. Whether every one of those skips was a forward
             overflow (the loss itself not finite).
         names: List of the variables whose gradients were not finite.
-        scale: Float. The loss scale now.
+        scale: Float. The loss scale now, or `None` where nothing scales.
+        spikes: Bool. Whether loss spikes are skipped too.
     """
     if forward:
         why = (
@@ -197,9 +232,12 @@ def stop_message(stopped_step, step, limit, forward, names, scale):
         )
     else:
         where = f" (first in {shorten_names(names)})" if names else ""
+        scale_now = "" if scale is None else (
+            f", and the loss scale is down to {format_scale(scale)}")
+        spiked = " (or their loss spiked: skip_spikes)" if spikes else ""
         why = (
             "their gradients were not finite although the loss was "
-            f"{where}, and the loss scale is down to {format_scale(scale)}: "
+            f"{where}{spiked}{scale_now}: "
             "the weights are likely diverging. Try a lower learning rate or "
             "gradient clipping (global_clipnorm=1.0)"
         )

@@ -129,14 +129,17 @@ class _ProgbarLogger(keras.callbacks.ProgbarLogger):
         counts = []
         for name, (optimizer, at_start) in self._counters_at_start.items():
             steps, skipped = (read_counters(optimizer) - at_start)[:2]
-            counts.append((name, int(skipped), int(steps), optimizer.loss_scale))
+            scale = optimizer.loss_scale if optimizer.scaling else None
+            counts.append((name, int(skipped), int(steps), scale))
         if not any(skipped > 0 for _, skipped, _, _ in counts):
             return
+        spikes = any(optimizer.skip_spikes is not None
+                     for optimizer, _ in self._counters_at_start.values())
         if len(counts) == 1:
             _, skipped, steps, scale = counts[0]
-            _keras_internals.print_msg(messages.skipped_in_fit(skipped, steps, scale))
+            _keras_internals.print_msg(messages.skipped_in_fit(skipped, steps, scale, spikes))
         else:
             # Only those that took steps: a GAN's compile makes a default
             # optimizer that its train_step never uses.
             used = [count for count in counts if count[2] > 0]
-            _keras_internals.print_msg(messages.skipped_in_fit_by_optimizer(used))
+            _keras_internals.print_msg(messages.skipped_in_fit_by_optimizer(used, spikes))

@@ -145,8 +145,10 @@ class WatchedOptimizer:
         ledger = self.ledger
         step = ledger.step_reaching(limit)
         forward = ledger.consecutive_forward >= limit
+        optimizer = self.optimizer
         return step, self.say(messages.stop_message(
-            step, ledger.step, limit, forward, ledger.last_names, ledger.scale
+            step, ledger.step, limit, forward, ledger.last_names,
+            ledger.scale if optimizer.scaling else None, optimizer.skip_spikes is not None,
         ))
 
     def end_epoch(self):
@@ -155,7 +157,8 @@ class WatchedOptimizer:
         self.csv.flush()
         summary = self.ledger.end_epoch()
         # Batches redone at a lower scale (`compile(overflow_retries=...)`).
-        return dict(summary, retried=retries(self.optimizer) - self._retries_at_epoch_start)
+        return dict(summary, retried=retries(self.optimizer) - self._retries_at_epoch_start,
+                    scaling=self.optimizer.scaling)
 
     def end_fit(self):
         """Processes the last steps, closes the CSV and writes the plot."""

@@ -256,15 +256,21 @@ def _to_float32(structure):
     return _cast_floats(structure, "float32")
 
 
-def _computes_in_float16(model):
-    """Whether any layer of `model` computes in float16 (so needs loss scaling)."""
+def _computes_in(model, dtypes):
+    """Whether any layer of `model` computes in one of `dtypes` (float16:
+    it needs loss scaling; bfloat16 too: the guard by default)."""
     # The layers decide, not the model's own policy: a model loaded (or built)
     # while the global policy was mixed_float16 has that policy even when all
     # its layers compute in float32.
     layers = list(_keras_internals.nested_layers(model, include_self=False, recursive=True))
     if not layers:
-        return model.dtype_policy.compute_dtype == "float16"
-    return any(layer.compute_dtype == "float16" for layer in layers)
+        return model.dtype_policy.compute_dtype in dtypes
+    return any(layer.compute_dtype in dtypes for layer in layers)
+
+
+def _computes_in_float16(model):
+    """Whether any layer of `model` computes in float16 (so needs loss scaling)."""
+    return _computes_in(model, ("float16",))
 
 
 @contextlib.contextmanager

@@ -167,6 +167,8 @@ def take_for_apply(optimizer, grads=None):
     scaled, divided, loss = record.take()
     if split:
         raise ValueError(_SPLIT_ERROR.format(name=optimizer.name))
+    if not optimizer.scaling:  # a scale fixed at 1: nothing to divide, nothing to forget
+        return False, loss
     if not (scaled or divided):
         _warn_once(optimizer, _UNSCALED_WARNING if record.in_model_step else _DIVIDED_WARNING)
     return not divided and (scaled or not record.in_model_step), loss

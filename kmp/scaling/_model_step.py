@@ -183,6 +183,8 @@ def uncounted_epoch_logs(logs, counted, own):
 
 
 SCALER_LOG_NAMES = ("loss_scale", "skipped_steps", "retried_steps")
+# compile's settings that choose a held optimizer's scaler, with their defaults.
+_SCALER_SETTINGS = {"loss_scale": "auto", "skip_nonfinite": "auto", "skip_spikes": None}
 
 
 def scaler_log_keys(model):
@@ -198,8 +200,8 @@ def scaler_log_keys(model):
 def scaler_logs(model, applied, retrying=False, loss=None):
     """The logs of the loss scalers that applied in a train step.
 
-    One scaler: `loss_scale` and `skipped_steps` (plus `retried_steps` when
-    `retrying`, and, given the step's unscaled `loss`, the monitor's
+    One scaler: `loss_scale` (where it scales) and `skipped_steps` (plus
+    `retried_steps` when `retrying`, and, given the step's unscaled `loss`, the monitor's
     per-step values while one watches). Several (a GAN's): each named after
     its attribute, `d_optimizer_loss_scale`, ...
     """
@@ -210,7 +212,8 @@ def scaler_logs(model, applied, retrying=False, loss=None):
     logs = {}
     for optimizer in scalers:
         prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
-        logs[prefix + "loss_scale"] = optimizer.loss_scale
+        if optimizer.scaling:  # a scale fixed at 1 (the guard alone) says nothing
+            logs[prefix + "loss_scale"] = optimizer.loss_scale
         logs[prefix + "skipped_steps"] = optimizer.skipped_steps
         if retrying:
             logs[prefix + "retried_steps"] = optimizer.counters["retries"]
@@ -242,18 +245,20 @@ def monitor_logs(optimizer, loss):
     }
 
 
-def wrap_optimizers(model, loss_scale_optimizer):
+def wrap_optimizers(model, scaler_for):
     """Makes every optimizer the model holds a kmp.LossScaleOptimizer.
 
     `compile` wraps `optimizer`; a GAN's `d_optimizer` and
     `g_optimizer`, set by its own `compile`, are wrapped here, before
-    the first step is traced, by the same rule (`loss_scale`).
+    the first step is traced, by the same rule (`scaler_for`, with the
+    model's `loss_scale`, `skip_nonfinite` and `skip_spikes`).
     """
-    loss_scale = getattr(model, "_kmp_loss_scale", "auto")
+    settings = {name: getattr(model, f"_kmp_{name}", default)
+                for name, default in _SCALER_SETTINGS.items()}
     for name, optimizer in _optimizers.optimizers_by_attribute(model).items():
         if name == "optimizer" or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             continue
-        wrapped = loss_scale_optimizer(optimizer, loss_scale, model)
+        wrapped = scaler_for(optimizer, model, **settings)
         if wrapped is not optimizer:
             setattr(model, name, wrapped)
     # Each scaler's warnings name the attribute that holds it.

@@ -60,8 +60,9 @@ def retries(optimizer):
 
 
 def read_counters(optimizer):
-    """Host read of `[step, skipped, forward, consecutive, consecutive_forward]`."""
+    """Host read of `[step, skipped, forward, consecutive, consecutive_forward,
+    spikes]`."""
     if not optimizer.built:
-        return np.zeros(5, dtype=np.int64)
+        return np.zeros(6, dtype=np.int64)
     counters, _ = monitor_state(optimizer)
     return np.asarray(counters)

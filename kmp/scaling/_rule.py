@@ -130,15 +130,28 @@ COUNTERS = (
     "retries",
 )
 
-# One step's decision, the same on every replica: whether the gradients are
-# finite, whether the unscaled loss is, and (only while a monitor watches)
-# int64 flags of the variables whose gradient is not.
+# One step's decision, the same on every replica: whether the gradients and
+# the unscaled loss are finite (`finite`), whether the loss is (`loss_finite`),
+# and (only while a monitor watches) int64 flags of the variables whose
+# gradient is not.
 # `retry` (a boolean, or `None` when the step cannot be retried): the
 # gradients overflowed, the loss did not, and the caller will redo the batch
 # at a lower scale, so it is not a skip.
+# `spike` (a boolean, or `None` without `skip_spikes`): the loss was a finite
+# outlier (`kmp.scaling._spikes`), so the step is skipped although finite.
+# `loss`: the loss the spike rule judged (every replica's sum), recorded in
+# its window after the step; `None` without `skip_spikes`.
 Decision = collections.namedtuple(
-    "Decision", ["finite", "loss_finite", "nonfinite_gradients", "retry"], defaults=(None,)
+    "Decision", ["finite", "loss_finite", "nonfinite_gradients", "retry", "spike", "loss"],
+    defaults=(None, None, None),
 )
+
+
+def applied(decision):
+    """Whether the step is applied: finite, and not a loss spike."""
+    if decision.spike is None:
+        return decision.finite
+    return ops.logical_and(decision.finite, ops.logical_not(decision.spike))
 
 
 RULE_SETTINGS = ("dynamic", "growth_factor", "backoff_factor", "growth_interval",
@@ -163,13 +176,21 @@ def next_state(loss_scale_before, counters, decision, rule):
         decision.finite,
         **rule,
     )
-    skipped = ops.logical_not(ops.cast(decision.finite, "bool"))
-    forward = ops.logical_and(skipped, ops.logical_not(decision.loss_finite))
+    overflow = ops.logical_not(ops.cast(decision.finite, "bool"))
+    forward = ops.logical_and(overflow, ops.logical_not(decision.loss_finite))
+    skipped_steps = state.skipped_steps
+    skipped = overflow
+    if decision.spike is not None:
+        # A spike's gradients were finite: the scale takes it as a good step,
+        # but the step is skipped and counted.
+        spiked = ops.logical_and(ops.logical_not(overflow), decision.spike)
+        skipped_steps = skipped_steps + ops.cast(spiked, COUNTER_DTYPE)
+        skipped = ops.logical_or(overflow, spiked)
     new = dict(
         counters,
         good_steps=state.good_steps,
         hysteresis_left=state.hysteresis_left,
-        skipped_steps=state.skipped_steps,
+        skipped_steps=skipped_steps,
         forward_overflows=counters["forward_overflows"] + ops.cast(forward, COUNTER_DTYPE),
         consecutive_skips=ops.where(skipped, counters["consecutive_skips"] + 1, 0),
         consecutive_forward_overflows=ops.where(

@@ -35,6 +35,8 @@ _KERAS_BASE_DEFAULTS = {
 }
 
 CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
+# The spike rule's window is one float32 variable of this many losses at most.
+_MAX_SPIKE_WINDOW = 65536
 
 
 def check_base_arguments(kwargs):
@@ -125,6 +127,26 @@ def check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growth
             "At most one of `clipnorm`, `global_clipnorm` and `clipvalue` can be set "
             "(the inner Keras optimizer clips, and takes one). Received: "
             + ", ".join(f"{arg}={value!r}" for arg, value in given.items())
+        )
+
+
+def check_spike_threshold(skip_spikes):
+    """Raises `ValueError` unless `skip_spikes` is `None` or a finite number > 0."""
+    _check_number("skip_spikes", skip_spikes, allow_none=True)
+
+
+def check_spike_settings(skip_spikes, spike_window, spike_warmup, inner_optimizer):
+    """Raises `ValueError` naming the first spike setting that breaks its rule."""
+    check_spike_threshold(skip_spikes)
+    _check_integer("spike_window", spike_window, 2, _MAX_SPIKE_WINDOW)
+    _check_integer("spike_warmup", spike_warmup, 2)
+    steps = getattr(inner_optimizer, "gradient_accumulation_steps", None)
+    if skip_spikes is not None and steps:
+        raise ValueError(
+            "`skip_spikes` judges each step's loss, and an accumulated step's loss is "
+            "spread over its micro-batches: it does not combine with the inner "
+            "optimizer's `gradient_accumulation_steps`. Received: "
+            f"skip_spikes={skip_spikes!r}, gradient_accumulation_steps={steps}"
         )
 
 

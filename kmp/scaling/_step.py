@@ -28,6 +28,7 @@ from kmp.scaling import _gradients
 from kmp.scaling import _handoff
 from kmp import _keras_internals
 from kmp.scaling import _rule as _scaling_rule
+from kmp.scaling import _spikes
 from kmp import backends
 
 
@@ -86,15 +87,22 @@ def check(optimizer, grads, variables, loss, *, divide, scale=None):
     Returns:
         `(grads, divide, finite, loss_finite, nonfinite)`: the gradients
         (unscaled already when `divide` came back `False` from `True`), the
-        boolean scalars, and the int flags of the variables whose gradient
-        overflowed (`None` unless a monitor watches).
+        boolean scalars (`finite`: the gradients and the loss), and the int
+        flags of the variables whose gradient overflowed (`None` unless a
+        monitor watches).
     """
     grads = list(grads)
     if divide and optimizer.min_scale < 1.0:
         grads, divide = unscale(optimizer, grads, variables, scale), False
     flags = _gradients.finite_flags(grads)
     finite = _gradients.all_true(flags)
-    loss_finite = ops.convert_to_tensor(True) if loss is None else ops.all(ops.isfinite(loss))
+    loss_finite = ops.convert_to_tensor(True)
+    if loss is not None:
+        # A step whose loss is not finite is skipped too, whatever its
+        # gradients (a NaN loss term no weight depends on would still
+        # poison the epoch's logs).
+        loss_finite = ops.all(ops.isfinite(loss))
+        finite = ops.logical_and(finite, loss_finite)
     nonfinite = None
     if optimizer._monitored:
         indices = [_keras_internals.variable_index(optimizer, v) for v in variables]
@@ -104,7 +112,40 @@ def check(optimizer, grads, variables, loss, *, divide, scale=None):
     return grads, divide, finite, loss_finite, nonfinite
 
 
-def state_after(optimizer, scale, counters, decision, flags_before=None):
+def decide(optimizer, finite, loss_finite, nonfinite, loss=None, *, retries_left=None,
+           scale=None, spike_state=None):
+    """The step's `kmp.scaling._rule.Decision` from its agreed flags.
+
+    Args:
+        optimizer: The `kmp.LossScaleOptimizer`.
+        finite, loss_finite, nonfinite: `check`'s, agreed over replicas.
+        loss: Every replica's unscaled loss summed (the batch's loss), or
+            `None` where unknown: then no step is a spike.
+        retries_left: Int tensor, or `None`: the retries this batch has
+            left (the decision says `retry` only then, on a dynamic scale).
+        scale: The scale before the step, or `None` to read it.
+        spike_state: `(window, counts)` values of the spike rule's
+            variables, or `None` to read them.
+    """
+    spike = None
+    if optimizer.skip_spikes is not None and loss is not None:
+        window, counts = spike_state or (optimizer._spike_window.value,
+                                         optimizer._spike_counts.value)
+        spike = _spikes.is_spike(window, counts[0], loss, optimizer.skip_spikes,
+                                 optimizer.spike_warmup)
+    else:
+        loss = None
+    retry = None
+    if retries_left is not None and optimizer.dynamic:
+        scale = optimizer._kmp_scale.value if scale is None else scale
+        retry = ops.logical_and(
+            ops.logical_and(ops.logical_not(finite), loss_finite),
+            ops.logical_and(retries_left > 0, scale > optimizer.min_scale),
+        )
+    return _scaling_rule.Decision(finite, loss_finite, nonfinite, retry, spike, loss)
+
+
+def state_after(optimizer, scale, counters, decision, flags_before=None, spike_state=None):
     """The scaler's own variables after one (applied or skipped) step.
 
     Args:
@@ -113,6 +154,8 @@ def state_after(optimizer, scale, counters, decision, flags_before=None):
         decision: The step's `kmp.scaling._rule.Decision`.
         flags_before: The `nonfinite_gradients` value before the step, or
             `None` to read it (only needed while a monitor watches).
+        spike_state: `(window, counts)` values of the spike rule's
+            variables before the step, or `None` to read them.
 
     Returns:
         Dict `{id(variable): new value}`.
@@ -132,6 +175,14 @@ def state_after(optimizer, scale, counters, decision, flags_before=None):
         own[id(optimizer._nonfinite_gradients)] = ops.where(
             backward, decision.nonfinite_gradients, flags_before
         )
+    if decision.spike is not None:
+        window, counts = spike_state or (optimizer._spike_window.value,
+                                         optimizer._spike_counts.value)
+        window, seen = _spikes.record(window, counts[0], decision.loss)
+        spiked = ops.logical_and(decision.finite, decision.spike)
+        own[id(optimizer._spike_window)] = window
+        own[id(optimizer._spike_counts)] = ops.stack(
+            [seen, counts[1] + ops.cast(spiked, counts.dtype)])
     return own
 
 
@@ -225,13 +276,18 @@ def rescale_float8(pairs, new_scale, old_scale):
 def monitor_state(optimizer):
     """`(counters, nonfinite_gradients)` for `kmp.callbacks.LossScaleMonitor`:
     `[step, skipped_steps, forward_overflows, consecutive_skips,
-    consecutive_forward_overflows]` (`step` counts applied and skipped
-    steps), and the per-variable flags of the latest backward overflow."""
+    consecutive_forward_overflows, loss_spikes]` (`step` counts applied and
+    skipped steps), and the per-variable flags of the latest backward
+    overflow."""
     counters = optimizer._counters.value
     names = _scaling_rule.COUNTERS
     skipped, retries = names.index("skipped_steps"), names.index("retries")
-    step = ops.cast(optimizer.iterations, _scaling_rule.COUNTER_DTYPE) + counters[skipped]
-    monitored = ops.concatenate([ops.reshape(step, (1,)), counters[skipped:retries]])
+    dtype = _scaling_rule.COUNTER_DTYPE
+    step = ops.cast(optimizer.iterations, dtype) + counters[skipped]
+    spikes = (optimizer._spike_counts.value[1:] if optimizer.skip_spikes is not None
+              else ops.zeros((1,), dtype))
+    monitored = ops.concatenate(
+        [ops.reshape(step, (1,)), counters[skipped:retries], ops.cast(spikes, dtype)])
     return monitored, backends.get("step").snapshot(optimizer._nonfinite_gradients.value)
 
 
@@ -250,7 +306,7 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
         divide: Bool. Whether `grads` are scaled and must be divided.
 
     Returns:
-        `(new_trainable_values, new_optimizer_values, finite)`.
+        `(new_trainable_values, new_optimizer_values, applied)`.
     """
     inner = optimizer.inner_optimizer
     variables = list(optimizer.variables)
@@ -266,10 +322,13 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
         scale = optimizer._kmp_scale.value
         counters = optimizer.counters
         flags_before = optimizer._nonfinite_gradients.value
+        spike_state = (None if optimizer.skip_spikes is None else
+                       (optimizer._spike_window.value, optimizer._spike_counts.value))
     grads, divide, finite, loss_finite, nonfinite = check(
         optimizer, grads, built, loss, divide=divide, scale=scale
     )
-    decision = _scaling_rule.Decision(finite, loss_finite, nonfinite)
+    decision = decide(optimizer, finite, loss_finite, nonfinite, loss, spike_state=spike_state)
+    applied = _scaling_rule.applied(decision)
     inner_ids = {id(v) for v in inner.variables}
     inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
 
@@ -282,8 +341,14 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     def skip():
         return list(trainable_variables), inner_values
 
-    new_trainable, new_inner = ops.cond(finite, apply, skip)
-    own = state_after(optimizer, scale, counters, decision, flags_before)
+    if backends.get("step").traced(applied):
+        new_trainable, new_inner = ops.cond(applied, apply, skip)
+    else:
+        # Run eagerly (JAX without jit): decided on the host, so the update
+        # runs op by op as Keras' own eager step runs it, not as a branch
+        # XLA compiles (whose fused arithmetic rounds otherwise).
+        new_trainable, new_inner = apply() if bool(applied) else skip()
+    own = state_after(optimizer, scale, counters, decision, flags_before, spike_state)
     new_trainable = list(new_trainable)
     pairs = float8_gradient_state(built)
     rescaled = rescale_float8(
@@ -298,7 +363,7 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
             new_values.append(next(new_inner))
         else:
             new_values.append(own.get(id(variable), value))
-    return list(new_trainable), new_values, finite
+    return list(new_trainable), new_values, applied
 
 
 def as_values(values):

@@ -100,11 +100,11 @@ def apply(optimizer, grads, trainable_variables, *, divide, loss, request):
     for grad, variable in zip(grads, trainable_variables):
         all_grads[positions[id(variable)]] = grad
     if not any(isinstance(g, jax.core.Tracer) for g in all_grads):
-        finite = _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide)
+        finite = _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, loss)
         return _handoff.StepAnswer(finite, None, loss)
     new_trainable, new_values, finite = _scaling_step.stateless_step(
         optimizer, [v.value for v in optimizer.variables], all_grads,
-        [v.value for v in built], divide=divide,
+        [v.value for v in built], loss=loss, divide=divide,
     )
     for variable in trainable_variables:
         variable.assign(new_trainable[positions[id(variable)]])
@@ -113,16 +113,17 @@ def apply(optimizer, grads, trainable_variables, *, divide, loss, request):
     return _handoff.StepAnswer(finite, None, loss)
 
 
-def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide):
+def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, loss):
     """`apply` on JAX outside a trace: decided on the host, then the inner
     optimizer's own `apply` updates the variables, as Keras' scaler does (a
     sparse gradient then reaches the inner optimizer's `assign_sub` as it
     is); the scaler's own variables take the same rule as the pure step."""
     scale = optimizer._kmp_scale.value
     grads, divide, finite, loss_finite, nonfinite = _scaling_step.check(
-        optimizer, all_grads, built, None, divide=divide, scale=scale
+        optimizer, all_grads, built, loss, divide=divide, scale=scale
     )
-    decision = _scaling_rule.Decision(finite, loss_finite, nonfinite)
+    decision = _scaling_step.decide(optimizer, finite, loss_finite, nonfinite, loss)
+    finite = _scaling_rule.applied(decision)
     if bool(finite):
         unscaled = _scaling_step.unscale(optimizer, grads, built, scale) if divide else grads
         by_id = {id(v): g for v, g in zip(built, unscaled)}

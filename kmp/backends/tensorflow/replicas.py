@@ -75,10 +75,11 @@ class _CrossReplica:
         """The decision of all replicas from each one's `flags`.
 
         `flags`: per replica, booleans that must all hold (the gradients and
-        the loss are finite) followed by int64 indicators (which variables
-        overflowed). On one machine every replica is local here, in the
-        cross-replica context: they are combined without a collective, as
-        Keras' own scaler reads them. Across workers, `collective` (run on
+        the loss are finite), the float32 loss where the spike rule needs it
+        (summed), then int64 indicators (which variables overflowed). On one
+        machine every replica is local here, in the cross-replica context:
+        they are combined without a collective, as Keras' own scaler reads
+        them. Across workers, `collective` (run on
         every replica) sums them.
         """
         if isinstance(self._distribution, tf.distribute.MultiWorkerMirroredStrategy):
@@ -86,6 +87,8 @@ class _CrossReplica:
         local = [self._distribution.experimental_local_results(f) for f in flags]
         return tuple(
             ops.all(ops.stack(values)) if values[0].dtype == tf.bool
+            # A float (the loss, for the spike rule) is every replica's, summed.
+            else ops.sum(ops.stack(values), axis=0) if values[0].dtype.is_floating
             else ops.max(ops.stack(values), axis=0)
             for values in local
         )

@@ -162,6 +162,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
     divide_later = divide and not optimizer.min_scale < 1.0
     monitored = optimizer._monitored
     counter_dtype = _scaling_rule.COUNTER_DTYPE
+    # The spike rule judges the batch's loss: every replica's, summed.
+    spikes = optimizer.skip_spikes is not None and loss is not None
 
     def check(grads, variables, loss):
         grads, _, finite, loss_finite, nonfinite = _scaling_step.check(
@@ -174,23 +176,28 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             )
             optimizer._accumulation_window.assign(seen)
             finite, loss_finite = ops.equal(seen[0], 0), ops.equal(seen[1], 0)
-        if not monitored:
-            return grads, (finite, loss_finite)
-        # Which variables overflowed: this micro-batch's own flags.
-        return grads, (finite, loss_finite, nonfinite)
+        local = (finite, loss_finite)
+        if spikes:
+            local += (ops.cast(loss, "float32"),)
+        if monitored:
+            # Which variables overflowed: this micro-batch's own flags.
+            local += (nonfinite,)
+        return grads, local
 
     def agree(local):
-        # Per replica: the step's one collective, of the flags only; none with
-        # one replica, and none where all replicas are local (see `replicas`).
+        # Per replica: the step's one collective, of the flags (and the
+        # loss, for the spike rule) only; none with one replica, and none
+        # where all replicas are local (see `replicas`).
         if replicas_module.num_replicas() == 1:
             return local
-        bad = replicas_module.all_reduce_sum(
+        summed = replicas_module.all_reduce_sum(
             [ops.cast(ops.logical_not(local[0]), "float32"),
              ops.cast(ops.logical_not(local[1]), "float32")]
-            + [ops.cast(flags, "float32") for flags in local[2:]]
+            + [ops.cast(value, "float32") for value in local[2:]]
         )
-        return (ops.equal(bad[0], 0.0), ops.equal(bad[1], 0.0)) + tuple(
-            ops.cast(ops.greater(flags, 0.0), counter_dtype) for flags in bad[2:]
+        losses = tuple(summed[2:3]) if spikes else ()
+        return (ops.equal(summed[0], 0.0), ops.equal(summed[1], 0.0)) + losses + tuple(
+            ops.cast(ops.greater(flags, 0.0), counter_dtype) for flags in summed[2 + len(losses):]
         )
 
     grads, local = replicas.run(check, grads, variables, loss)
@@ -211,12 +218,11 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             agreed = ops.cond(boundary, reduce, mid_window)
     else:
         agreed = reduce()
-    decision = _scaling_rule.Decision(agreed[0], agreed[1], agreed[2] if monitored else None)
-    if retries_left is not None and optimizer.dynamic:
-        decision = decision._replace(retry=ops.logical_and(
-            ops.logical_and(ops.logical_not(decision.finite), decision.loss_finite),
-            ops.logical_and(retries_left > 0, optimizer._kmp_scale.value > optimizer.min_scale),
-        ))
+    decision = _scaling_step.decide(
+        optimizer, agreed[0], agreed[1], agreed[-1] if monitored else None,
+        agreed[2] if spikes else None, retries_left=retries_left,
+    )
+    applied = _scaling_rule.applied(decision)
 
     # Accumulating, the inner optimizer clips the window's sum, which no
     # single micro-batch holds.
@@ -244,12 +250,12 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             ),
         )
         _scaling_step.assign_state(optimizer, decision, variables)
-        return decision.finite, decision.retry, deferred
+        return applied, decision.retry, deferred
 
     if select and not window:
-        _apply_if(decision.finite, lambda: apply_unscaled(grads, variables), inner, variables, grads)
+        _apply_if(applied, lambda: apply_unscaled(grads, variables), inner, variables, grads)
         _scaling_step.assign_state(optimizer, decision, variables)
-        return decision.finite, decision.retry, None
+        return applied, decision.retry, None
     if select and window:
         _window_step_by_selects(optimizer, decision, boundary, local[0],
                                 lambda: apply_unscaled(grads, variables), variables, grads, window)
@@ -260,10 +266,10 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             micro_steps = _keras_internals.micro_steps(inner)
             micro_steps.assign(micro_steps - (window - 1))
 
-    ops.cond(decision.finite, lambda: replicas.run(apply_unscaled, grads, variables), skip)
+    ops.cond(applied, lambda: replicas.run(apply_unscaled, grads, variables), skip)
     if not window:
         _scaling_step.assign_state(optimizer, decision, variables)
-        return decision.finite, decision.retry, None
+        return applied, decision.retry, None
     discard = ops.logical_not(decision.finite)
     # A discarded window, and a micro-batch with an overflow (now or earlier)
     # mid-window (the window is lost anyway): no inf or NaN stays in the

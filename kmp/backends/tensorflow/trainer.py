@@ -246,10 +246,11 @@ def _attempt(model, data, optimizer, retries_left=None, defer=False):
             _keras_internals.unscale_loss_for_distribution(loss),
             sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
         )
-        scaled = ops.multiply(loss, optimizer.loss_scale)
+        scaled = ops.multiply(loss, optimizer.loss_scale) if optimizer.scaling else loss
     trainable_weights = model.trainable_weights
     answer = optimizer._kmp_apply(
-        tape.gradient(scaled, trainable_weights), trainable_weights, divide=True, loss=loss,
+        tape.gradient(scaled, trainable_weights), trainable_weights, divide=optimizer.scaling,
+        loss=loss,
         request=_handoff.StepRequest(retries_left=retries_left, defer=defer),
     )
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -40,12 +40,16 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _PROG = "python -m benchmarks.xla_step"
-# (name, api, compile arguments of kmp.Model)
+# (name, api, compile arguments of kmp.Model, policy)
 CONFIGS = (
-    ("kmp default", "kmp", {}),
-    ("kmp overflow_retries=0", "kmp", {"overflow_retries": 0}),
-    ("kmp loss_scale=None", "kmp", {"loss_scale": None}),
-    ("keras mixed_float16", "keras", {}),
+    ("kmp default", "kmp", {}, "mixed_float16"),
+    ("kmp overflow_retries=0", "kmp", {"overflow_retries": 0}, "mixed_float16"),
+    ("kmp loss_scale=None", "kmp", {"loss_scale": None}, "mixed_float16"),
+    ("keras mixed_float16", "keras", {}, "mixed_float16"),
+    # bfloat16: kmp's guard (a scale fixed at 1, the skip a select) beside
+    # Keras' step, which applies whatever the gradients hold.
+    ("kmp bf16 guard", "kmp", {}, "mixed_bfloat16"),
+    ("keras mixed_bfloat16", "keras", {}, "mixed_bfloat16"),
 )
 _MODES = {
     "full": dict(chunks=60, steps=20, warmup=5),
@@ -53,7 +57,7 @@ _MODES = {
 }
 
 
-def _build(workload, api, compile_kwargs, jit_compile):
+def _build(workload, api, compile_kwargs, jit_compile, policy="mixed_float16"):
     import keras
 
     import kmp
@@ -61,13 +65,13 @@ def _build(workload, api, compile_kwargs, jit_compile):
     keras.utils.set_random_seed(0)
     if api == "keras":
         previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy("mixed_float16")
+        keras.config.set_dtype_policy(policy)
         try:
             model = workload.build(keras.Model, workload.sizes)
         finally:
             keras.config.set_dtype_policy(previous)
     else:
-        with kmp.policy_scope("mixed_float16"):
+        with kmp.policy_scope(policy):
             model = workload.build(kmp.Model, workload.sizes)
     model.compile(
         keras.optimizers.SGD(1e-3, momentum=0.9),
@@ -359,8 +363,8 @@ def _buffer_child(workload_name, mode, config_index):
     import numpy as np
 
     workload = workloads.get_workload(workload_name, mode)
-    name, api, kwargs = CONFIGS[int(config_index)]
-    model = _build(workload, api, kwargs, True)
+    name, api, kwargs, policy = CONFIGS[int(config_index)]
+    model = _build(workload, api, kwargs, True, policy)
     x, y = workload.data(workload.sizes, np.random.default_rng(0))
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
 
@@ -387,8 +391,8 @@ def run(workload_names, mode, jit_compile, buffers=False, log=print):
         workload = workloads.get_workload(workload_name, mode)
         x, y = workload.data(workload.sizes, np.random.default_rng(0))
         runners = {}
-        for name, api, kwargs in CONFIGS:
-            model = _build(workload, api, kwargs, jit_compile)
+        for name, api, kwargs, policy in CONFIGS:
+            model = _build(workload, api, kwargs, jit_compile, policy)
             iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
             model.make_train_function()
             for _ in range(settings["warmup"]):
@@ -405,7 +409,7 @@ def run(workload_names, mode, jit_compile, buffers=False, log=print):
                 times[name].append((time.perf_counter() - start) / settings["steps"])
         base = times[CONFIGS[0][0]]
         rows = {}
-        for index, (name, _, _) in enumerate(CONFIGS):
+        for index, (name, *_) in enumerate(CONFIGS):
             model = runners[name][0]
             row = {
                 "fastest_us": min(times[name]) * 1e6,

@@ -668,7 +668,7 @@ def test_xla_step_benchmark_reports_its_paired_runs_and_hlo_counts(tmp_path):
     out = tmp_path / "xla_step.json"
     assert xla_step.main(["--smoke", "--workloads", "large_state", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["large_state"]
-    assert set(rows) == {name for name, _, _ in xla_step.CONFIGS}
+    assert set(rows) == {name for name, *_ in xla_step.CONFIGS}
     for row in rows.values():
         assert 0 < row["fastest_us"] <= row["median_us"]
         assert row["dots"] > 0
@@ -682,10 +682,14 @@ def test_xla_step_benchmark_reports_its_paired_runs_and_hlo_counts(tmp_path):
     for name in ("kmp default", "kmp overflow_retries=0"):
         assert rows[name]["conditionals"] == rows["keras mixed_float16"]["conditionals"] == 1, name
     assert rows["kmp loss_scale=None"]["conditionals"] == 0
+    # bfloat16's guard skips as float16's scaler does: the same conditional
+    # around the sparse update; Keras' bfloat16 step checks nothing.
+    assert rows["kmp bf16 guard"]["conditionals"] == 1
+    assert rows["keras mixed_bfloat16"]["conditionals"] == 0
     # The train function's graph: every configuration runs the compiled step
     # and returns; kmp's default redoes an overflowing batch from Python one
     # call later, with nothing in the graph fed by the step's outputs.
-    for name in ("kmp default", "kmp overflow_retries=0", "kmp loss_scale=None", "keras mixed_float16"):
+    for name in rows:
         assert rows[name]["host_control_flow"] == 0 and rows[name]["host_control_flow_ops"] == []
 
 

@@ -47,18 +47,18 @@ def _data(rows=16):
             rng.normal(size=(rows, 4)).astype("float32"))
 
 
-def _compiled(api, accumulation=None, **compile_kwargs):
+def _compiled(api, accumulation=None, policy="mixed_float16", **compile_kwargs):
     keras.utils.set_random_seed(0)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9, gradient_accumulation_steps=accumulation)
     if api == "keras":
         previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy("mixed_float16")
+        keras.config.set_dtype_policy(policy)
         try:
             model = _mlp(keras.Model)
         finally:
             keras.config.set_dtype_policy(previous)
     else:
-        with kmp.policy_scope("mixed_float16"):
+        with kmp.policy_scope(policy):
             model = _mlp(kmp.Model)
     model.compile(optimizer, "mse", jit_compile=True, **compile_kwargs)
     x, y = _data()
@@ -74,7 +74,7 @@ def _optimized_hlo(model, data):
 
 def _hlo_counts(text):
     """Copies of a kernel-sized buffer, dot ops and conditionals in `text`."""
-    copy = rf"(?:f32|f16)\[{_WIDTH},{_WIDTH}\]\{{[0-9,]*\}} copy\("
+    copy = rf"(?:f32|f16|bf16)\[{_WIDTH},{_WIDTH}\]\{{[0-9,]*\}} copy\("
     return {
         "kernel_copies": len(re.findall(copy, text)),
         "dots": len(re.findall(r"\bdot\(", text)),
@@ -100,6 +100,21 @@ def test_a_train_step_compiled_by_xla_has_no_conditional_and_copies_no_more_than
     counts = _hlo_counts(_optimized_hlo(model, data))
     assert counts["conditionals"] == keras_counts["conditionals"] == 0, counts
     assert counts["kernel_copies"] <= keras_counts["kernel_copies"], (counts, keras_counts)
+
+
+def test_the_bfloat16_guard_under_xla_is_a_select_as_float16s_skip(keras_counts):
+    """The guard under mixed_bfloat16 skips as float16's scaler does, with a
+    select inside the update: no conditional, and no more kernel copies than
+    Keras' own float16 skip makes (the values a skipped step keeps); Keras'
+    bfloat16 step, which checks nothing, makes none."""
+    keras_model, data = _compiled("keras", policy="mixed_bfloat16")
+    model, _ = _compiled("kmp", policy="mixed_bfloat16")
+    assert not model.optimizer.scaling
+    keras_bf16 = _hlo_counts(_optimized_hlo(keras_model, data))
+    counts = _hlo_counts(_optimized_hlo(model, data))
+    assert counts["conditionals"] == keras_bf16["conditionals"] == 0, counts
+    assert counts["kernel_copies"] <= keras_counts["kernel_copies"], (counts, keras_counts)
+    assert counts["dots"] == keras_bf16["dots"]
 
 
 def test_an_accumulated_step_under_xla_has_no_more_conditionals_than_keras():

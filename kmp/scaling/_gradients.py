@@ -29,8 +29,19 @@ values = _backend.values
 
 
 def finite_flags(gradients):
-    """One boolean scalar per gradient (`None` for a missing gradient)."""
-    return [None if g is None else ops.all(ops.isfinite(values(g))) for g in gradients]
+    """One boolean scalar per gradient (`None` for a missing gradient).
+
+    A gradient is finite where the float32 sum of its values is: an inf or a
+    NaN anywhere makes the sum inf or NaN. One reduction per gradient, with
+    no boolean tensor of its size in between (`all(isfinite(g))` is two ops
+    and one: in a TensorFlow graph, with hundreds of variables, each op
+    counts); a finite gradient whose sum passes float32's 3.4e38 would be
+    taken for an overflow, a sum no trained model's gradient reaches.
+    """
+    return [
+        None if g is None else ops.isfinite(ops.sum(ops.cast(values(g), "float32")))
+        for g in gradients
+    ]
 
 
 def nonfinite_indicator(flags, indices, size):

@@ -86,7 +86,7 @@ def main(argv=None):
         metrics=["accuracy"],
     )
     timer = EpochTimer()
-    # Prints each epoch's skipped steps and loss scale when the policy scales.
+    # Prints each epoch's skipped steps (and the loss scale, where it scales).
     monitor = kmp.callbacks.LossScaleMonitor(plot_path=args.plot)
     history = model.fit(
         x_train, y_train, batch_size=32, epochs=args.epochs, verbose=1,
@@ -103,7 +103,8 @@ def main(argv=None):
     if "loss_scale" in history.history:
         print(f"final loss scale: {history.history['loss_scale'][-1]:g}")
     else:
-        print(f"no loss scaling: {policy.compute_dtype} does not need it")
+        print(f"no loss scaling: {policy.compute_dtype} does not need it "
+              "(a step that is not finite is still skipped)")
 
     if importlib.util.find_spec("tensorflow") is None:
         print(

@@ -38,19 +38,17 @@ uses it says more):
 | `Optimizer._trainable_variables` | `built_variables` | `loss_scale.py`, `scaling/_step.py`, `backends/jax/step.py`, `monitor/_steps.py` | the variables an optimizer was built with (`apply(grads)` without variables; the monitor's names) |
 | `Optimizer._filter_empty_gradients` | `filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
 | `Optimizer._get_variable_index` | `variable_index` | `scaling/_step.py` | which variable overflowed, for the monitor |
-| `Optimizer._overwrite_variable_with_gradient` | `overwrites_with_gradient` | `scaling/_step.py`, `backends/tensorflow/step.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
+| `Optimizer._overwrite_variable_with_gradient` | `overwritten_with_gradient` | `scaling/_step.py`, `backends/tensorflow/step.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
 | `Optimizer._iterations` | `micro_steps` | `backends/tensorflow/step.py` | the micro-step count (`iterations` counts windows): a window's last micro-batch, and its start when a window is discarded |
 | `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `backends/tensorflow/step.py` | discard a window with an overflow |
 | `Optimizer._clip_gradients` | `clip_gradients` | `backends/tensorflow/step.py` | under several replicas, clip the gradients summed over replicas with the inner optimizer's own rule (Keras clips each replica's share) |
-| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `backends/tensorflow/replicas.py`, `backends/tensorflow/trainer.py` | whether a step can run without `merge_call` (per-replica decisions, retries) |
-| `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `backends/tensorflow/step.py`, `backends/tensorflow/trainer.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where kmp's retry loop carries gradients instead of variables |
-| `tensorflow.python.ops.cond_v2.fast_cond_v2` | `unlowered_cond` | `backends/tensorflow/distribute.py` | the retry of an XLA-compiled step as one `If` op, not a `Switch` per variable on every step |
+| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `backends/tensorflow/replicas.py` | whether a step can run without `merge_call` (per-replica decisions) |
+| `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `backends/tensorflow/step.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where the skip is a select |
 | `tf.compat.v1.get_default_graph` | `default_graph` | `backends/tensorflow/step.py`, `backends/tensorflow/layer_state.py` | whether a recorded loss belongs to the graph being traced |
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `backends/jax/trainer.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
 | `Trainer._loss_tracker` | `loss_tracker` | `backends/tensorflow/trainer.py`, `backends/jax/trainer.py` | whether a step computed a loss, for the loss a skipped step logs |
 | `Trainer._flatten_metrics_in_order` | `logs_as_list` | `model.py` | `train_on_batch`'s list, made as Keras makes it, from the logs without kmp's scaler entries |
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
-| `Trainer._get_metrics_result_or_logs` (overridden) | `ModelBase` | `model.py` | the epoch's end, before `fit` reads its logs: the batches kmp's XLA train function redoes one call later are redone (`_kmp_finish_epoch`) |
 | `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
 | `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `backends/tensorflow/distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 
@@ -323,14 +321,15 @@ def variable_index(optimizer, variable):
     return optimizer._get_variable_index(variable)
 
 
-def overwrites_with_gradient(optimizer, variable):
-    """Whether `optimizer` sets `variable` to its "gradient" (no update rule).
+def overwritten_with_gradient(optimizer, variables):
+    """For each of `variables`, whether `optimizer` sets it to its
+    "gradient" (no update rule).
 
     `Optimizer._overwrite_variable_with_gradient` (Keras 3.0 on): such a
     "gradient" (a moving statistic some layers keep) is a value, not a
     scaled gradient; kmp leaves it undivided, as Keras' own scaler does.
     """
-    return optimizer._overwrite_variable_with_gradient(variable)
+    return [optimizer._overwrite_variable_with_gradient(v) for v in variables]
 
 
 def clip_gradients(optimizer, grads):
@@ -396,19 +395,6 @@ def in_xla_context():
     from tensorflow.python.ops import control_flow_util
 
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-
-
-def unlowered_cond(pred, true_fn, false_fn):
-    """`tf.cond` as one `If` op that TensorFlow does not lower to switches.
-
-    TensorFlow's `cond_v2.fast_cond_v2`: a lowered cond passes each of its
-    branches' inputs through a `Switch` op of its own on every run, taken or
-    not; a branch that calls a compiled train step takes every variable as
-    an input. Unlowered, the branch not taken costs one op.
-    """
-    from tensorflow.python.ops import cond_v2
-
-    return cond_v2.fast_cond_v2(pred, true_fn, false_fn)
 
 
 def default_graph():
@@ -483,8 +469,7 @@ def symbolic_build(model, data_batch):
 
 
 class ModelBase(keras.Model):
-    """`keras.Model` whose build before `fit`, and whose epoch's end, a
-    subclass may take over.
+    """`keras.Model` whose build before `fit` a subclass may take over.
 
     Keras' `Trainer._maybe_symbolic_build` (Keras 3.0 to 3.15) averages the
     first batch over replicas just to read its shapes, which fails across
@@ -492,14 +477,6 @@ class ModelBase(keras.Model):
     (`Trainer._distribute_strategy`), it first asks the subclass's
     `_kmp_build_from_iterator(iterator, strategy)`, which returns whether it
     built the model itself; otherwise Keras builds as always.
-
-    `Trainer._get_metrics_result_or_logs(logs)` (Keras 3.0 to 3.15) is what
-    `fit` calls at each epoch's end, after its last train function call,
-    with that call's logs (and `evaluate` at its end): no public hook runs
-    there before the epoch's logs are read (callbacks get them after). It
-    first asks the subclass's `_kmp_finish_epoch(logs)`, which returns the
-    logs to read, once kmp's train function has redone the overflowing
-    batches still pending.
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -514,9 +491,3 @@ class ModelBase(keras.Model):
 
     def _kmp_build_from_iterator(self, iterator, strategy):
         return False
-
-    def _get_metrics_result_or_logs(self, logs):
-        return super()._get_metrics_result_or_logs(self._kmp_finish_epoch(logs))
-
-    def _kmp_finish_epoch(self, logs):
-        return logs

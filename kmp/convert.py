@@ -592,10 +592,8 @@ def summary(model, print_fn=None):
     [('Dense', 'float16'), ('UnitNormalization', 'float32')]
     """
     if not isinstance(model, keras.Model):
-        raise TypeError(
-            "`model` must be a keras.Model. Received: "
-            f"model={model!r} of type {type(model).__name__}"
-        )
+        raise TypeError(f"`model` must be a keras.Model. Received: model={model!r} of "
+                        f"type {type(model).__name__}")
     rows = _layer_dtypes.layer_rows(model)
     (print_fn or print)(_layer_dtypes.format_table(model, rows))
     return rows

@@ -38,7 +38,6 @@ import keras
 from kmp import _keras_internals
 from kmp.precision import _float8_rule
 from kmp.precision import _float8_training
-from kmp.scaling import _step as _scaling_step
 from kmp.precision import _keep_float32
 
 # Public names of this module, defined beside what they belong to: the rule
@@ -309,8 +308,10 @@ def rescale_gradient_amax(pairs, new_loss_scale, old_loss_scale):
     compiled step on TensorFlow and JAX. A ratio of 1 returns the values
     unchanged (bit for bit).
 
-    kmp's `LossScaleOptimizer` does this itself in every step, once per
-    attempt (a redone batch included), last in kmp's order of operations:
+    kmp's `LossScaleOptimizer` does this itself in every step of a
+    `kmp.Model` (which registers the model's float8 layers with its scalers
+    when it makes its train function), once per attempt, last in kmp's
+    order of operations:
     ```
     scale loss -> gradients -> unscale -> finite check -> clip
       -> apply or skip (the float8 histories and scales are
@@ -319,9 +320,9 @@ def rescale_gradient_amax(pairs, new_loss_scale, old_loss_scale):
       -> update the loss scale (old -> new)
       -> rescale the float8 output-gradient histories and scales   # here
     ```
-    in `fit`, in a custom `train_step` and in a loop through its `apply`.
-    Call this (or `apply_loss_scale_change`) only around another scaler,
-    Keras' own `LossScaleOptimizer`, with `old_loss_scale` the scale the
+    in `fit` and in a custom `train_step`. Call this (or
+    `apply_loss_scale_change`) in a loop of your own, or around another
+    scaler, Keras' own `LossScaleOptimizer`, with `old_loss_scale` the scale the
     step's loss was multiplied by and `new_loss_scale` the next step's; at a
     ratio of 1 (most steps) it multiplies by 1, exactly. Under bfloat16 or
     float32 (no loss scaling) it need not be called.
@@ -344,7 +345,7 @@ def rescale_gradient_amax(pairs, new_loss_scale, old_loss_scale):
     >>> keras.ops.convert_to_numpy(h).tolist()
     [703.0, 350.0, 0.0]
     """
-    return _scaling_step.rescale_float8(pairs, new_loss_scale, old_loss_scale)
+    return _float8_training.rescale_gradient_amax(pairs, new_loss_scale, old_loss_scale)
 
 
 def apply_loss_scale_change(model, new_loss_scale, old_loss_scale):

@@ -170,35 +170,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._monitored = False
         object.__setattr__(self, "_warned", set())
         object.__setattr__(self, "_kmp_record", _handoff.StepRecord())
+        # Values that carry the scale, registered by their owner (float8's
+        # histories: `kmp.scaling._step.follow_scale`).
+        object.__setattr__(self, "_kmp_scale_followers", ())
 
     @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
-        self._kmp_scale = _scaling_step.add_state_variable(self, "loss_scale", (), "float32",
-                                               self.initial_scale)
-        # All the step's counters in one vector (see `_COUNTERS`): one read
-        # and one write per step, counted on the device.
-        initial_counters = [0] * len(_COUNTERS)
-        initial_counters[_COUNTERS.index("hysteresis_left")] = self.hysteresis
-        self._counters = _scaling_step.add_state_variable(self, "counters", (len(_COUNTERS),), _COUNTER_DTYPE,
-                                             initial_counters)
-        # 1 for each variable whose gradient overflowed at the latest
-        # backward overflow; written only while a monitor asks for it.
-        self._nonfinite_gradients = _scaling_step.add_state_variable(
-            self, "nonfinite_gradients", (len(var_list),), _COUNTER_DTYPE, 0
-        )
-        backends.get("step").check_buildable(self)
-        if _scaling_step.accumulation_steps(self):
-            self._accumulation_window = _scaling_step.add_state_variable(
-                self, "accumulation_window", (2,), _COUNTER_DTYPE, 0
-            )
-        if self.skip_spikes is not None:
-            # The spike rule's recent losses, and [losses seen, spikes].
-            self._spike_window = _scaling_step.add_state_variable(
-                self, "spike_window", (self.spike_window,), "float32", 0.0
-            )
-            self._spike_counts = _scaling_step.add_state_variable(
-                self, "spike_counts", (2,), _COUNTER_DTYPE, 0
-            )
+        _scaling_step.build_state(self, var_list)  # the scale, counters, ...
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -270,21 +248,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return loss
         scale = self.loss_scale
         if backends.get("step").read_once(loss, scale):
-            raise ValueError(self._read_once_error("scale_loss"))
+            raise ValueError(_handoff.read_once_error(self, "scale_loss"))
         self._kmp_record.note_scaled(loss)
         return ops.multiply(loss, scale)
-
-    def _read_once_error(self, method):
-        return (
-            f"kmp.LossScaleOptimizer '{self.name}': `{method}` inside `jax.jit` reads "
-            "the loss scale once, when JAX traces the function, and keeps that number "
-            "for every later call, while the scale moves (the gradients would be off "
-            "by the factor it moved since). In a compiled step of your own, read it "
-            "from the optimizer variables the step carries: `scaled_loss = "
-            "optimizer.stateless_scale_loss(optimizer_variables, loss)`, then "
-            "`optimizer.stateless_apply(optimizer_variables, grads, "
-            "trainable_variables)`, which divides the gradients (docs/jax.md)."
-        )
 
     def get_scaled_loss(self, loss):
         """tf.keras' name for `scale_loss`; a callable `loss` gives a callable."""
@@ -303,7 +269,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads = list(grads)
         scale = self.loss_scale
         if any(g is not None and backends.get("step").read_once(g, scale) for g in grads):
-            raise ValueError(self._read_once_error("get_unscaled_gradients"))
+            raise ValueError(_handoff.read_once_error(self, "get_unscaled_gradients"))
         self._kmp_record.note_divided(grads)
         return _scaling_step.unscale(self, grads)
 
@@ -351,52 +317,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._kmp_record.answer = answer
         return answer.finite
 
-    def _kmp_apply(self, grads, trainable_variables, *, divide, loss, request=None):
-        """`apply`, told what it is given, with the answer returned as values.
-
-        What `apply` runs once it has read the step's record
-        (`kmp.scaling._handoff`), and what kmp.Model's own TensorFlow step
-        calls directly: it scaled the loss itself and may ask for more.
-
-        Args:
-            grads: List of gradients (`None` entries are left out).
-            trainable_variables: List of variables, or `None` for the ones
-                the optimizer was built with.
-            divide: Bool. Whether `grads` carry the loss scale.
-            loss: The unscaled loss, or `None` where unknown.
-            request: A `kmp.scaling._handoff.StepRequest` (retries left, a
-                deferred apply), or `None`.
-
-        Returns:
-            The `kmp.scaling._handoff.StepAnswer`.
-        """
-        trainable_variables = list(
-            _keras_internals.built_variables(self) if trainable_variables is None else trainable_variables
-        )
-        if not self.built:
-            # Built outside any tf.function: built inside one, in a replica of
-            # MirroredStrategy, the variables' initializers are left as
-            # placeholders in a cond, as Keras' own Adam's are.
-            with backends.get("step").outside_functions(), keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
-            self.built = True
-        grads, trainable_variables = _keras_internals.filter_empty_gradients(
-            self, list(grads), trainable_variables
-        )
-        if not self.enabled:
-            self.inner_optimizer.apply(grads, trainable_variables)
-            return _handoff.StepAnswer(ops.convert_to_tensor(True))
-        steps = _scaling_step.accumulation_steps(self)
-        if request is not None and request.retries_left is not None and steps:
-            raise ValueError(
-                "`overflow_retries` cannot be combined with the inner optimizer's "
-                "`gradient_accumulation_steps` (a retry would redo one micro-batch "
-                f"of a window). Received: gradient_accumulation_steps={steps}"
-            )
-        return backends.get("step").apply(
-            self, grads, trainable_variables, divide=divide and self.scaling, loss=loss,
-            request=request,
-        )
+    def _kmp_apply(self, grads, trainable_variables, *, divide, loss, retries_left=None):
+        """`apply`, told what it is given, with the answer returned as values
+        (`kmp.scaling._step.apply_told`): what `apply` runs once it has read
+        the step's record, and what kmp.Model's own TensorFlow step calls."""
+        return _scaling_step.apply_told(self, grads, trainable_variables, divide=divide,
+                                        loss=loss, retries_left=retries_left)
 
     def get_config(self):
         config = {

@@ -50,6 +50,38 @@ def _loss_in_float32(loss):
         return loss
 
 
+def _prepare_train_step(model):
+    """What `kmp.Model.make_train_function` does before Keras makes its
+    function: float8 layers that would not record are named, every
+    optimizer the model holds becomes a scaler where compile's rule says
+    so, and a subclass's own `train_step` reports its scalers.
+
+    The reporting step is set on this instance (no class is changed):
+    Keras' function and kmp's call `model.train_step`, now with the
+    scalers' logs (on TensorFlow a subclass's own step only: kmp's own step
+    there reports itself). On TensorFlow once: each `tf.function` Keras
+    makes traces it afresh. On JAX a new function for each train function
+    (kmp's own step included): `jax.jit` keeps its traces by the Python
+    function, and the same one would bring back the step traced for the last
+    `compile` (its loss, its metrics, its optimizer) or before a monitor was
+    attached.
+    """
+    # Float8 layers Keras' own quantize("float8") made, that fit would run
+    # without training=True, are named before the first step.
+    _float8_training.warn_if_not_recording(model)
+    trainer = backends.get("trainer")
+    _model_step.wrap_optimizers(model, _scaling_compile.scaler_for)
+    # Float8 output-gradient histories follow the loss scale.
+    _float8_training.follow_loss_scale(model)
+    own_wrapper = getattr(vars(model).get("train_step"), "_kmp_reporting", False)
+    if "train_step" not in vars(model) or (own_wrapper and trainer.REWRAP_EACH_TRAIN_FUNCTION):
+        step = type(model).train_step
+        wrapper = trainer.reporting_step(model, step, own=step is Model.train_step)
+        if wrapper is not None:  # None: kmp.Model's own step reports itself
+            wrapper._kmp_reporting = True
+            object.__setattr__(model, "train_step", wrapper)
+
+
 @keras.saving.register_keras_serializable(package="kmp")
 class Model(_keras_internals.ModelBase):
     """A `keras.Model` that trains in mixed precision with loss scaling.
@@ -144,10 +176,7 @@ class Model(_keras_internals.ModelBase):
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries="auto",
                 skip_nonfinite="auto", skip_spikes=None, **kwargs):
-        """Configures the model for training, with loss scaling and the guard.
-
-        Takes every argument of `keras.Model.compile`, plus `loss_scale`,
-        `overflow_retries`, `skip_nonfinite` and `skip_spikes`.
+        """`keras.Model.compile`, plus loss scaling and the guard's settings.
 
         Args:
             optimizer: As for `keras.Model.compile`. A
@@ -165,42 +194,28 @@ class Model(_keras_internals.ModelBase):
                 scaling.
             overflow_retries: `"auto"` or an int in [0, 2**31 - 1]. A step
                 whose gradients overflow while its loss is finite backs the
-                dynamic scale off and redoes the same batch, up to this many
-                times, before the batch is dropped (counted in
-                `skipped_steps`; retries are counted in `retried_steps`). A
-                step whose loss itself is not finite is skipped at once. An
-                int needs a train step without `merge_call` (no strategy,
-                OneDeviceStrategy, or MirroredStrategy on GPUs under XLA) and
-                kmp.Model's own `train_step`. `"auto"` (the default): with
-                the scaler kmp makes (`loss_scale` `"auto"` or `"dynamic"`
-                wrapping a plain `optimizer`), where those hold, the scale
-                finds its level on the first batch (redone until its
-                gradients are finite or the scale reaches `min_scale`, so no
-                batch is lost while the scale settles), and every later
-                batch gets one retry. With a scaler the user passed as
-                `optimizer` (kmp's or Keras'), elsewhere, and on Keras' JAX
-                backend: no retries, Keras' semantics (an overflowing batch
-                runs once, is skipped and counted, and `iterations` counts
-                applied steps). Recompiling with `model.optimizer`, a `.keras`
-                round trip and `kmp.load_model` keep whose scaler it is;
-                recompiling keeps the scale and counters of the scaler kmp
-                made (see `optimizer`).
+                scale off and its batch is redone, up to this many times
+                (`retried_steps`), in every mode and on both backends; an
+                int makes the host read each step's flag. `"auto"` (the
+                default): with the dynamic scaler kmp makes, the first batch
+                is redone until the scale has settled (no batch lost while
+                it does), then an overflowing batch is skipped, as Keras
+                skips it, with no host read. A scaler the user passed,
+                gradient accumulation or a subclass's own `train_step`: no
+                retries (Keras' semantics). See docs/overflows.md.
             skip_nonfinite: `"auto"`, `True` or `False`. Whether a step whose
                 loss or gradients are not finite is skipped (weights, slots,
-                `iterations` and what its forward pass wrote left as they
-                were) and counted in `skipped_steps`. `"auto"` (the default):
-                where the model computes in bfloat16 (one NaN record would
-                otherwise turn the weights NaN for good) and wherever a loss
-                scaler runs (float16's does it); under float32, and under
-                float16 with `loss_scale=None`, Keras' behaviour (no guard).
-                Without loss scaling the guard is a `kmp.LossScaleOptimizer`
-                whose scale is fixed at 1: it scales nothing. `True`: the
-                guard under every policy. `False` turns it off (with loss
-                scaling, which needs it, a `ValueError`).
+                `iterations` and the forward pass's state unchanged) and
+                counted in `skipped_steps`. `"auto"` (the default): where the
+                model computes in bfloat16, and wherever a loss scaler runs;
+                under float32, and float16 with `loss_scale=None`, Keras'
+                step. Without loss scaling the guard is a
+                `kmp.LossScaleOptimizer` whose scale is fixed at 1. `False`
+                turns it off (with loss scaling, which needs it, a
+                `ValueError`).
             skip_spikes: Optional float > 0. Also skip a step whose loss is
-                more than this many standard deviations above the mean of
-                the last 128 finite losses (after the first 64), decided on
-                the device and counted in `skipped_steps`. Defaults to
+                this many standard deviations above the last 128 finite
+                losses' mean (after 64), decided on the device. Defaults to
                 `None` (off).
             **kwargs: The other arguments of `keras.Model.compile`.
                 `auto_scale_loss=False` means `loss_scale=None`.
@@ -209,8 +224,9 @@ class Model(_keras_internals.ModelBase):
             ValueError: if an argument above is not one of its choices,
                 `skip_nonfinite=False` meets loss scaling, the model is under
                 a `tf.distribute` strategy kmp does not support
-                (`kmp/backends/tensorflow/distribute.py`), or, on JAX,
-                `overflow_retries` is an int > 0.
+                (`kmp/backends/tensorflow/distribute.py`), or, when training
+                starts, `overflow_retries` is an int > 0 with a subclass's
+                own `train_step`.
             NotImplementedError: on JAX, under a `tf.distribute` strategy's
                 scope (use `keras.distribution` there).
         """
@@ -230,7 +246,7 @@ class Model(_keras_internals.ModelBase):
         self._kmp_skip_spikes = skip_spikes
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
         # object.__setattr__: Keras would track the optimizer as the model's
-        # state. Compared by identity (`_model_step.retries_on`): an
+        # state. Compared by identity (`_model_step.retries`): an
         # optimizer set later (`kmp.load_model`'s wrapper) is not the user's.
         object.__setattr__(self, "_kmp_users_scaler", users_scaler)
         if optimizer is not given and users_scaler is None:
@@ -303,44 +319,24 @@ class Model(_keras_internals.ModelBase):
         return _keras_internals.logs_as_list(
             self, {key: value for key, value in logs.items() if key not in scaler_keys})
 
-    def train_step(self, *args, **kwargs):
-        """Keras' train step with kmp's loss-scaled apply: a skipped step
-        kept out of the epoch's logs and, with `overflow_retries`, an
-        overflowing batch redone; the logs carry `loss_scale` and
-        `skipped_steps` (see `kmp/backends/tensorflow/trainer.py`; there
-        kmp's train function also passes `attempt=`, the attempt of a batch
-        it redoes). On JAX, `train_step(state, data)` as Keras' JAX trainer
-        calls it (see `kmp/backends/jax/trainer.py`)."""
-        return backends.get("trainer").train_step(self, *args, super().train_step, **kwargs)
+    def train_step(self, *args, retries_left=None):
+        """Keras' train step with kmp's guarded, loss-scaled apply: a
+        skipped step kept out of the epoch's logs; the logs carry
+        `loss_scale` and `skipped_steps` (see
+        `kmp/backends/tensorflow/trainer.py`). kmp's train function passes
+        `retries_left` where it may redo the batch (`kmp.scaling._retry`).
+        On JAX, `train_step(state, data)` as Keras' JAX trainer calls it
+        (see `kmp/backends/jax/trainer.py`)."""
+        return backends.get("trainer").train_step(
+            self, *args, super().train_step, retries_left=retries_left)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        # Float8 layers Keras' own quantize("float8") made, that fit would
-        # run without training=True, are named before the first step.
-        _float8_training.warn_if_not_recording(self)
-        trainer = backends.get("trainer")
-        _model_step.wrap_optimizers(self, _scaling_compile.scaler_for)
-        own_wrapper = getattr(vars(self).get("train_step"), "_kmp_reporting", False)
-        if "train_step" not in vars(self) or (own_wrapper and trainer.REWRAP_EACH_TRAIN_FUNCTION):
-            # On this instance (no class is changed): Keras' function and
-            # kmp's call `self.train_step`, now with the scalers' logs (on
-            # TensorFlow a subclass's own step only: kmp's own step there
-            # reports itself). On TensorFlow once: each `tf.function` Keras
-            # makes traces it afresh. On JAX a new function for each train
-            # function (kmp's own step included): `jax.jit`
-            # keeps its traces by the Python function, and the same one would
-            # bring back the step traced for the last `compile` (its loss, its
-            # metrics, its optimizer) or before a monitor was attached.
-            step = type(self).train_step
-            wrapper = trainer.reporting_step(self, step, own=step is Model.train_step)
-            if wrapper is not None:  # None: kmp.Model's own step reports itself
-                wrapper._kmp_reporting = True
-                object.__setattr__(self, "train_step", wrapper)
+        _prepare_train_step(self)
         super().make_train_function(force=force)
-        # Under XLA on TensorFlow kmp's train function redoes an overflowing
-        # batch by calling the compiled step again.
-        self.train_function = trainer.train_function(
+        # kmp's own around it: the retries, the monitor's values out of the logs.
+        self.train_function = backends.get("trainer").train_function(
             self, own_step=type(self).train_step is Model.train_step
         )
         return self.train_function
@@ -354,9 +350,6 @@ class Model(_keras_internals.ModelBase):
 
     def _kmp_build_from_iterator(self, iterator, strategy):
         return backends.get("trainer").build_from_iterator(self, iterator, strategy)
-
-    def _kmp_finish_epoch(self, logs):
-        return backends.get("trainer").finish_epoch(self, logs)
 
     def fit(
         self,

@@ -38,6 +38,7 @@ JAX_TESTS = (
     "test_float8.py",
     "test_epoch_logs.py",
     "test_guard.py",
+    "test_modes.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
 JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py", "test_jax_install.py")
@@ -212,6 +213,17 @@ SLOW = (
     # fresh model and trace (test_fit_flow and test_on_batch_methods keep
     # fit's and train_on_batch's three modes in the fast tier), and
     # ModelCheckpoint's 15 cases, about 30 .keras files.
+    # The guard's fits in every mode beside their controls (each 2-6 s, 2026-12-06): the
+    # NaN record under bfloat16, the monitor, a custom step and loop and the
+    # spike rule's reference stay in the fast tier.
+    "test_guard.py::test_float32_keeps_keras_step_unless_compile_asks_for_the_guard",
+    "test_guard.py::test_a_skipped_forward_pass_leaves_batch_norm_statistics_as_they_were",
+    "test_guard.py::test_a_loss_spike_is_skipped_on_request_as_if_never_seen",
+    "test_guard.py::test_replicas_skip_together_under_mirrored_strategy",
+    "test_guard.py::test_several_steps_per_execution_skip_the_same_step",
+    "test_guard.py::test_without_a_bad_record_the_guard_changes_nothing",
+    # The differential harness's whole table (the fast rows stay in the fast tier).
+    "test_modes.py::test_every_mode_applies_what_the_reference_applies_in_the_whole_table",
     "test_keras_trainer.py::test_fit_with_data_adapter",
     "test_keras_trainer.py::test_fit_with_val_split",
     "test_keras_trainer.py::test_fit_sparse",

@@ -1,9 +1,10 @@
 """The scale starts where it should: no batch lost while it settles.
 
 `kmp.Model.compile`'s default `overflow_retries="auto"` redoes the first batch
-until the scale has found its level, then gives each batch one retry; a
-recompile keeps the scaler's state; `apply` says whether a step was applied,
-so a custom loop can redo a batch.
+until the scale has found its level, then skips an overflowing batch as
+Keras does (the host reads no flag once settled); a recompile keeps the
+scaler's state; `apply` says whether a step was applied, so a custom loop
+can redo a batch.
 """
 
 import keras
@@ -13,11 +14,8 @@ import tensorflow as tf
 
 import kmp
 
-
-
-def _can_retry():
-    # The TensorFlow trainer's answer here (a step without merge_call).
-    return kmp.backends.get("trainer").can_retry()
+from kmp.scaling import _model_step
+from kmp.scaling import _retry
 
 def _overflowing_regression(steps, **compile_kwargs):
     """A float16 regression whose first gradients overflow at 2**15 (targets
@@ -54,28 +52,49 @@ def test_without_retries_the_same_run_drops_the_first_batches():
     assert "retried_steps" not in history
 
 
-def test_after_the_first_applied_step_auto_gives_one_retry():
-    from kmp.scaling import _model_step
-
+def test_after_the_first_applied_step_auto_reads_no_flag():
     model, _ = _overflowing_regression(2)
-    assert int(_model_step.retry_budget(model, model.optimizer, can_retry=_can_retry())) == _model_step._AUTO_RETRIES == 1
-    fresh = kmp.LossScaleOptimizer(keras.optimizers.SGD())
-    assert int(_model_step.retry_budget(model, fresh, can_retry=_can_retry())) == _model_step._SETTLING_RETRIES
+    retries = _model_step.retries(model, own_step=True)
+    assert retries.settled and retries.budget() == 0  # skip, as Keras; nothing read
+    fresh = _regression_model()
+    retries = _model_step.retries(fresh, own_step=True)
+    assert not retries.settled and retries.budget() == _retry.SETTLING_RETRIES == 32
 
 
-def test_auto_has_no_retries_where_they_cannot_run(mirrored_strategy):
-    from kmp.scaling import _model_step
-
+def _regression_model(**compile_kwargs):
     kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse", **compile_kwargs)
+    return model
+
+
+def test_auto_has_no_retries_for_a_scaler_the_user_made_or_a_fixed_one():
+    model = _regression_model()
+    assert model.get_compile_config()["overflow_retries"] == "auto"
+    assert _model_step.retries(model, own_step=False) is None  # a subclass's own step
+    model.compile(kmp.LossScaleOptimizer("sgd"), "mse")
+    assert _model_step.retries(model, own_step=True) is None
+    model.compile("sgd", "mse", loss_scale=256)
+    assert _model_step.retries(model, own_step=True) is None
+    model.compile(kmp.LossScaleOptimizer("sgd"), "mse", overflow_retries=3)
+    assert _model_step.retries(model, own_step=True).budget() == 3
+
+
+def test_retries_run_under_a_merge_call_strategy(mirrored_strategy):
+    """The train function redoes a batch on the host, so a strategy whose
+    step needs `merge_call` retries as one without: both replicas redo it."""
+    kmp.set_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = (300.0 + rng.normal(size=(32, 1))).astype("float32")
     with mirrored_strategy.scope():
         inputs = keras.Input((4,))
         model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
-        model.compile("sgd", "mse")  # the default: no error under merge_call
-    assert model.get_compile_config()["overflow_retries"] == "auto"
-    with mirrored_strategy.scope():
-        assert _model_step.retry_budget(model, model.optimizer, can_retry=_can_retry()) is None
-    fixed = kmp.LossScaleOptimizer("sgd", dynamic=False)
-    assert _model_step.retry_budget(model, fixed, can_retry=_can_retry()) is None
+        model.compile(keras.optimizers.SGD(1e-4), "mse", jit_compile=False)
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    assert history["skipped_steps"] == [0] and history["retried_steps"][0] >= 5
+    assert int(model.optimizer.iterations.numpy()) == 4
 
 
 def test_a_rare_overflowing_batch_moves_the_scale_as_a_skip_would():
@@ -134,7 +153,7 @@ def test_a_fine_tune_after_recompiling_loses_no_batch():
     y = (300.0 + rng.normal(size=(32, 1))).astype("float32")
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     assert int(model.optimizer.skipped_steps) == 0
-    assert int(model.optimizer.iterations) == 4
+    assert int(model.optimizer.iterations.numpy()) == 4
     assert float(model.optimizer.loss_scale) == settled
 
 
@@ -250,12 +269,12 @@ def test_a_scaler_the_user_made_skips_as_in_keras_without_retries(scaler):
         np.testing.assert_allclose(weight.numpy(), expected.numpy(), rtol=1e-3)
 
 
-def test_the_scaler_kmp_made_retries_and_a_user_can_ask_for_retries():
+def test_the_scaler_kmp_made_skips_once_settled_and_a_user_can_ask_for_retries():
     model, history, calls = _fit_with_one_overflowing_batch(kmp.Model, keras.optimizers.SGD(0.01))
-    # The overflowing batch ran again at half the scale (it still
-    # overflowed and was dropped): 4 batches, 5 forward passes, of which
-    # the 3 applied steps' count (the others' writes are put back).
-    assert history["retried_steps"] == [1] and calls == 3
+    # The first batch settled the scale (it was applied): the overflowing
+    # second batch is skipped, as Keras skips it, not redone: 4 batches, of
+    # which the 3 applied steps' forward passes count.
+    assert history["retried_steps"] == [0] and calls == 3
     assert int(model.optimizer.skipped_steps) == 1 and int(model.optimizer.iterations) == 3
     _, history, calls = _fit_with_one_overflowing_batch(
         kmp.Model, kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=256.0),
@@ -265,10 +284,8 @@ def test_the_scaler_kmp_made_retries_and_a_user_can_ask_for_retries():
 
 
 def test_who_made_the_scaler_survives_recompile_keras_file_and_load_model(tmp_path):
-    from kmp.scaling import _model_step
-
     def retries(model):
-        return _model_step.retry_budget(model, model.optimizer, can_retry=_can_retry()) is not None
+        return _model_step.retries(model, own_step=True) is not None
 
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((4,))
@@ -285,7 +302,7 @@ def test_who_made_the_scaler_survives_recompile_keras_file_and_load_model(tmp_pa
     model.compile(model.optimizer, "mse")  # still the user's
     assert not retries(model)
     model.compile(users, "mse", overflow_retries=3)
-    assert int(_model_step.retry_budget(model, model.optimizer, can_retry=_can_retry())) == 3
+    assert _model_step.retries(model, own_step=True).budget() == 3
     model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0),
                   "mse")
     assert not retries(model)  # Keras' scaler, taken over by kmp's, is the user's

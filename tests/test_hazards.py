@@ -180,15 +180,23 @@ def test_overflow_retries_must_be_auto_or_a_non_negative_integer():
     assert model.get_compile_config()["overflow_retries"] == "auto"
 
 
-def test_overflow_retries_under_a_merge_call_strategy_is_refused_clearly(mirrored_strategy):
+def test_overflow_retries_under_a_merge_call_strategy_redo_the_batch(
+        mirrored_strategy, unscaled_float32_kernel):
+    # The train function redoes a batch on the host: a strategy whose step
+    # needs `merge_call` retries as one without (before, a ValueError).
     kmp.set_policy("mixed_float16")
     x, y = _backward_overflow_data()
     with mirrored_strategy.scope():
+        keras.utils.set_random_seed(0)
         inputs = keras.Input((4,))
-        model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
-        model.compile(keras.optimizers.SGD(1e-4), "mse", overflow_retries=2)
-    with pytest.raises(ValueError, match="`overflow_retries` needs the train step to run without"):
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        model = kmp.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+        model.compile(keras.optimizers.SGD(1e-4), "mse", overflow_retries=8)
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+    assert history["skipped_steps"] == [0] and history["retried_steps"][0] >= 1
+    assert int(model.optimizer.iterations.numpy()) == 6
+    np.testing.assert_allclose(
+        np.asarray(model.weights[0]), unscaled_float32_kernel, rtol=2e-2, atol=1e-5
+    )
 
 
 def test_overflow_retries_with_a_custom_train_step_is_refused_clearly():

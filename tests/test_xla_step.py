@@ -260,10 +260,11 @@ def test_xla_and_graph_steps_train_alike_with_retries():
     np.testing.assert_allclose(xla.get_weights()[0], graph.get_weights()[0], rtol=2e-3, atol=1e-4)
 
 
-def test_a_train_step_the_user_compiles_retries_an_embedding_as_without_xla():
-    """The retry loop inside a train step compiled by the user's own jit
-    function carries an embedding's sparse gradient: the same retries, scale
-    and weights as the same step without XLA."""
+def test_a_train_step_the_user_compiles_skips_an_embedding_as_without_xla():
+    """A train step compiled by the user's own jit function: kmp's train
+    function, which redoes batches, is not there, so an overflowing step is
+    skipped (the scale backs off), with an embedding's sparse gradient: the
+    same skips, scale and weights as the same step without XLA."""
     def run(jit_compile):
         kmp.set_policy("mixed_float16")
         keras.utils.set_random_seed(0)
@@ -279,16 +280,15 @@ def test_a_train_step_the_user_compiles_retries_an_embedding_as_without_xla():
         model.make_train_function()
         step = model.train_step
         function = tf.function(lambda data: step(data), jit_compile=jit_compile)
-        before = int(model.optimizer.counters["retries"])
+        before = int(model.optimizer.skipped_steps)
         for _ in range(3):
             logs = function((tf.constant(x), tf.constant(y * 64)))
-        return model, int(model.optimizer.counters["retries"]) - before, logs
+        return model, int(model.optimizer.skipped_steps) - before, logs
 
-    graph, graph_retries, _ = run(False)
-    xla, xla_retries, logs = run(True)
-    # The 64x larger targets overflow at the settled scale: each step gets
-    # its one retry, as without XLA, and the skips are the same.
-    assert xla_retries == graph_retries >= 1
+    graph, graph_skips, _ = run(False)
+    xla, xla_skips, logs = run(True)
+    # The 64x larger targets overflow at the settled scale: skipped alike.
+    assert xla_skips == graph_skips >= 1
     assert int(logs["skipped_steps"]) == int(graph.optimizer.skipped_steps)
     assert float(xla.optimizer.loss_scale) == float(graph.optimizer.loss_scale)
     for xla_weight, graph_weight in zip(xla.get_weights(), graph.get_weights()):
@@ -304,16 +304,21 @@ def _retrying_model(**compile_kwargs):
 
 
 def test_fits_train_function_under_xla_has_no_host_wait_on_the_step():
-    """With the defaults (retries on, one step per call), nothing in fit's
-    train function under XLA is fed by the compiled step's outputs: the
-    host launches the next step without waiting for this one. With several
-    steps per call the redo stays at once, an `If` on each step's flag
-    (`benchmarks.xla_step.host_control_flow_on_step` reads both)."""
+    """With the defaults, once the scale has settled, nothing in fit's train
+    function under XLA is fed by the compiled step's outputs, with one step
+    per call or several: the host launches the next step without waiting
+    for this one (`benchmarks.xla_step.host_control_flow_on_step` reads
+    it). The retries' loop is on the host, in Python, and runs only while
+    the scale settles (`kmp.scaling._retry`)."""
     from benchmarks import xla_step
 
     x, y = np.full((16, 4), 0.1, "float32"), np.zeros((16, 1), "float32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-    for steps, expected in ((1, []), (2, ["If"])):
+    # With several steps per call, the loop over them (Keras' own shape,
+    # `distribute.make_function`) carries the last step's logs as loop
+    # variables; its condition reads only the step count and whether a
+    # batch is left, not the step's outputs: nothing waits for them.
+    for steps, expected in ((1, []), (2, ["While"])):
         model = _retrying_model(steps_per_execution=steps)
         model.fit(dataset, epochs=1, verbose=0)
         graph = xla_step.train_function_graph(model, iter(dataset))
@@ -321,35 +326,21 @@ def test_fits_train_function_under_xla_has_no_host_wait_on_the_step():
         assert sorted({flow.op for flow in found}) == expected, found
 
 
-def _overflowing_fit(bad_batch, batches=6):
+def _overflowing_fit(bad_batch, batches=6, **compile_kwargs):
     """`fit` over `batches` batches of 8 rows whose targets make batch
     `bad_batch` overflow float16 at the scale 2**15 but not at 2**14 (the
     bias gradient is `scale * 2 * mean(pred - y)`, pred ~0)."""
     x = np.full((8 * batches, 4), 0.1, "float32")
     y = np.full((8 * batches, 1), 0.1, "float32")
     y[8 * bad_batch: 8 * (bad_batch + 1)] = 1.5
-    model = _retrying_model()
+    model = _retrying_model(**compile_kwargs)
     history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
     return model, history, (x, y)
 
 
-@pytest.mark.parametrize("bad_batch", [3, 5], ids=["mid_epoch", "last_batch"])
-def test_an_overflowing_batch_under_xla_is_redone_once_and_counted(bad_batch):
-    """After the first step, an overflowing batch is redone one call later
-    (the last batch at the epoch's end, before its logs are read): every
-    batch applied, none skipped, one retry in the epoch's logs, the scale
-    backed off once; the loss logged is the mean over all six batches as
-    they were applied."""
-    model, history, (x, y) = _overflowing_fit(bad_batch)
-    assert int(model.optimizer.iterations) == 6
-    assert history["skipped_steps"] == [0]
-    assert history["retried_steps"] == [1]
-    assert history["loss_scale"] == [2.0**14]
-    assert float(model.optimizer.loss_scale) == 2.0**14
-    # The same six updates, in float32, the redone batch after the next one
-    # (mid-epoch) or last (the epoch's end); on this model SGD's result
-    # hardly depends on the order: the check is that every batch counted once.
-    order = [0, 1, 2, 4, 3, 5] if bad_batch == 3 else list(range(6))
+def _sgd_reference(x, y, order):
+    """The six SGD updates in float32, batch by batch in `order`; the loss
+    each batch logged."""
     w, b, losses = np.zeros((4, 1)), 0.0, []
     for index in order:
         xb, yb = x[8 * index: 8 * index + 8], y[8 * index: 8 * index + 8]
@@ -357,10 +348,34 @@ def test_an_overflowing_batch_under_xla_is_redone_once_and_counted(bad_batch):
         losses.append(float(np.mean(error**2)))
         w -= 0.01 * 2 * xb.T @ error / 8
         b -= 0.01 * 2 * float(np.mean(error))
+    return w, b, losses
+
+
+@pytest.mark.parametrize("bad_batch", [3, 5], ids=["mid_epoch", "last_batch"])
+def test_an_overflowing_batch_under_xla_is_redone_at_once_when_asked(bad_batch):
+    """With `overflow_retries=1`, after the first step, an overflowing batch
+    is redone at once (the host reads each step's flag): every batch
+    applied in order, none skipped, one retry in the epoch's logs, the scale
+    backed off once; the loss logged is the mean over all six batches. Under
+    `"auto"` the settled scale skips it, as Keras does."""
+    model, history, (x, y) = _overflowing_fit(bad_batch, overflow_retries=1)
+    assert int(model.optimizer.iterations) == 6
+    assert history["skipped_steps"] == [0]
+    assert history["retried_steps"] == [1]
+    assert history["loss_scale"] == [2.0**14]
+    w, b, losses = _sgd_reference(x, y, range(6))
     kernel, bias = model.get_weights()
     np.testing.assert_allclose(kernel, w, rtol=1e-2, atol=1e-4)
     np.testing.assert_allclose(bias, [b], rtol=1e-2, atol=1e-4)
     np.testing.assert_allclose(history["loss"][0], np.mean(losses), rtol=1e-2)
+
+    model, history, (x, y) = _overflowing_fit(bad_batch)
+    assert int(model.optimizer.iterations) == 5
+    assert history["skipped_steps"] == [1] and history["retried_steps"] == [0]
+    assert history["loss_scale"] == [2.0**14]
+    w, b, _ = _sgd_reference(x, y, [i for i in range(6) if i != bad_batch])
+    kernel, bias = model.get_weights()
+    np.testing.assert_allclose(kernel, w, rtol=1e-2, atol=1e-4)
 
 
 def test_mirrored_strategys_all_gpu_path_under_xla_trains_and_skips_once():

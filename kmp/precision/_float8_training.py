@@ -15,6 +15,7 @@ import weakref
 
 import keras
 import numpy as np
+from keras import ops
 
 from kmp import _keras_internals
 from kmp import backends
@@ -128,3 +129,69 @@ def _zeros_batch(model):
     ):
         return None
     return np.zeros([1] + [1 if d is None else d for d in shape[1:]], "float32")
+
+
+def rescale_gradient_amax(pairs, new_scale, old_scale):
+    """Float8 output-gradient amax histories and scales moved to a new loss scale.
+
+    ```
+    ratio = new_scale / old_scale
+    for history, scale in pairs:
+        history <- history * ratio
+        scale <- scale * ratio   if max(history) > 0
+                 scale           otherwise (nothing recorded yet: Keras
+                                 keeps the initial scale, so does this)
+    ```
+
+    Pure, with `keras.ops`: the step calls it once per attempt, after apply
+    or skip and the scale's update, with no branch (a ratio of 1, most
+    steps, changes nothing, bit for bit). `kmp.float8.rescale_gradient_amax`
+    says why.
+
+    Args:
+        pairs: List of `(history, scale)` tensors.
+        new_scale, old_scale: Scalar tensors or numbers: the loss scale the
+            next attempt uses, and the one the values were recorded under.
+
+    Returns:
+        A list of `(history, scale)` float32 tensors, in the order given.
+    """
+    if not pairs:
+        return []
+    ratio = ops.divide(ops.cast(new_scale, "float32"), ops.cast(old_scale, "float32"))
+    rescaled = []
+    for history, scale in pairs:
+        history = ops.convert_to_tensor(history, "float32")
+        scale = ops.convert_to_tensor(scale, "float32")
+        recorded = ops.max(history) > 0.0
+        rescaled.append((
+            ops.multiply(history, ratio),
+            ops.where(recorded, ops.multiply(scale, ratio), scale),
+        ))
+    return rescaled
+
+
+def follow_loss_scale(model):
+    """Registers, on each `kmp.LossScaleOptimizer` `model` holds, that its
+    float8 layers' output-gradient amax histories and scales follow the
+    loss scale (`rescale_gradient_amax`, in every step, after the scale's
+    update; `kmp.scaling._step.follow_scale` runs it).
+
+    These values are gradients of the scaled loss, so they carry the scale:
+    when it moves they move with it. Found once, here, by the layers'
+    quantization mode, not at every trace. `kmp.Model` calls it when it
+    makes its train function; a loop of your own calls
+    `kmp.float8.apply_loss_scale_change` after each step instead.
+    """
+    from kmp.scaling import _optimizers
+    from kmp.scaling import _step
+
+    pairs = tuple(
+        (layer.outputs_grad_amax_history, layer.outputs_grad_scale)
+        for layer in float8_layers(model)
+    )
+    followers = (_step.ScaleFollower(pairs, rescale_gradient_amax),) if pairs else ()
+    for optimizer in _optimizers.scaling_optimizers(model).values():
+        # object.__setattr__: Keras would track the variables as the
+        # optimizer's own (its checkpoints would change).
+        object.__setattr__(optimizer, "_kmp_scale_followers", followers)

@@ -20,12 +20,13 @@ COUNTER_DTYPE = _backend.COUNTER_DTYPE
 COUNTER_MAX = int(np.iinfo(COUNTER_DTYPE).max)
 
 
-# The backend's own functions, called directly (once per gradient):
-# `map_gradient(fn, gradient)` applies `fn` to a dense gradient or to the
-# values of a sparse one (`None` stays `None`); `values(gradient)` is the
-# tensor of values, the dense gradient or a sparse one's `.values`.
-map_gradient = _backend.map_gradient
-values = _backend.values
+# The backend's own functions, called directly: `map_gradients(fn,
+# gradients, keep)` applies `fn` to each dense gradient or to the values of
+# each sparse one (`None` stays `None`), but those kept; `values_of(gradients)`
+# are the tensors of values, a dense gradient itself or a sparse one's
+# `.values`.
+map_gradients = _backend.map_gradients
+values_of = _backend.values_of
 
 
 def finite_flags(gradients):
@@ -39,8 +40,8 @@ def finite_flags(gradients):
     taken for an overflow, a sum no trained model's gradient reaches.
     """
     return [
-        None if g is None else ops.isfinite(ops.sum(ops.cast(values(g), "float32")))
-        for g in gradients
+        None if g is None else ops.isfinite(ops.sum(ops.cast(g, "float32")))
+        for g in values_of(gradients)
     ]
 
 
@@ -95,8 +96,4 @@ def divide(gradients, divisor, keep=None):
             gradient as it is (a variable Keras overwrites with its
             "gradient", such as a BatchNormalization moving statistic).
     """
-    keep = keep or [False] * len(gradients)
-    return [
-        g if skip else map_gradient(lambda t: t / ops.cast(divisor, t.dtype), g)
-        for g, skip in zip(gradients, keep)
-    ]
+    return map_gradients(lambda t: t / ops.cast(divisor, t.dtype), gradients, keep)

@@ -2,8 +2,8 @@
 
 kmp.Model's own train step passes values: it scales the loss itself and
 calls the scaler's `_kmp_apply(grads, variables, divide=, loss=,
-request=)` with a `StepRequest` (the retries this batch has left, whether
-to defer the apply), and gets a `StepAnswer` back.
+retries_left=)` (the retries its train function allows this batch, see
+`kmp.scaling._retry`), and gets a `StepAnswer` back.
 
 Code kmp does not own (a subclass's `train_step`, a GAN's or a VAE's, a
 `GradientTape` loop) calls only the optimizer's public methods. For it each
@@ -22,7 +22,7 @@ MirroredStrategy traces each replica in its own thread), in which:
 with record.model_step():                    # around a subclass's train step
     loss = optimizer.scale_loss(loss)        # user: scaled, loss
     optimizer.apply(grads)                   # scaler: take_for_apply(), then
-record.answer                                #   StepAnswer(finite, retry, loss, deferred)
+record.answer                                #   StepAnswer(finite, retry, loss)
 ```
 
 Gradients of a loss that did not go through `scale_loss`: inside kmp.Model's
@@ -40,30 +40,18 @@ import warnings
 from kmp import _user_line
 from kmp import backends
 
-StepRequest = collections.namedtuple(
-    "StepRequest", ["retries_left", "defer"], defaults=(None, False)
-)
-StepRequest.__doc__ = """What kmp.Model's own train step asks of one apply.
-
-Fields:
-    retries_left: Int tensor, or `None`: the retries this batch has left
-        (the scaler answers `retry` only then).
-    defer: Bool. Decide and move the scale, but leave the apply to the step
-        (`StepAnswer.deferred`), which applies once after its retry loop.
-"""
-
 StepAnswer = collections.namedtuple(
-    "StepAnswer", ["finite", "retry", "loss", "deferred"], defaults=(None, None, None, None)
+    "StepAnswer", ["finite", "retry", "loss"], defaults=(None, None, None)
 )
 StepAnswer.__doc__ = """What the scaler's `apply` answers.
 
 Fields:
-    finite: Boolean tensor: the gradients were finite, and applied unless
-        deferred (`None` where `apply` ran with `enabled=False`).
-    retry: Boolean tensor, or `None` without retries: redo the batch (the
-        scale has backed off already; not counted as a skip).
+    finite: Boolean tensor: the step was applied (its loss and gradients
+        finite, and not a loss spike); `None` where `apply` ran with
+        `enabled=False`.
+    retry: Boolean tensor, or `None` without retries: the caller is to redo
+        the batch (the scale has backed off already; not counted as a skip).
     loss: The unscaled loss `scale_loss` recorded, or `None`.
-    deferred: The `DeferredApply` left where the request said `defer`.
 """
 
 _UNSCALED_WARNING = (
@@ -191,3 +179,18 @@ def _warn_once(optimizer, template):
         add_line=backends.get("step").ADD_LINE.format(attribute=attribute),
     )
     warnings.warn(message, stacklevel=_user_line.stacklevel())
+
+
+def read_once_error(optimizer, method):
+    """The error of `scale_loss` or `get_unscaled_gradients` (`method`)
+    inside `jax.jit` without the step's optimizer values."""
+    return (
+        f"kmp.LossScaleOptimizer '{optimizer.name}': `{method}` inside `jax.jit` reads "
+        "the loss scale once, when JAX traces the function, and keeps that number "
+        "for every later call, while the scale moves (the gradients would be off "
+        "by the factor it moved since). In a compiled step of your own, read it "
+        "from the optimizer variables the step carries: `scaled_loss = "
+        "optimizer.stateless_scale_loss(optimizer_variables, loss)`, then "
+        "`optimizer.stateless_apply(optimizer_variables, grads, "
+        "trainable_variables)`, which divides the gradients (docs/jax.md)."
+    )

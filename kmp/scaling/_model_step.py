@@ -3,8 +3,8 @@
 - `inside_model_step` runs a step with each loss scaler the model holds told
   so (`kmp.scaling._handoff`: gradients of a loss that skipped `scale_loss` are then
   applied undivided).
-- `retries_on` and `retry_budget`: whether and how often a batch whose
-  gradients overflowed is redone (`overflow_retries`).
+- `retries`: whether and how often a batch whose gradients overflowed is
+  redone (`overflow_retries`; the loop is `kmp.scaling._retry`'s).
 - `scaler_logs`: the logs a step adds (`loss_scale`, `skipped_steps`, ...).
 - `wrap_optimizers` makes every optimizer a model holds a loss scaler before
   the first step is traced.
@@ -23,6 +23,7 @@ from keras import ops
 
 from kmp.precision import _float32_layers
 from kmp.scaling import _optimizers
+from kmp.scaling import _retry
 from kmp.scaling import _step as _scaling_step
 from kmp import loss_scale as loss_scale_module
 
@@ -110,15 +111,6 @@ def _returning_float32(call):
     return call_returning_float32
 
 
-# `overflow_retries="auto"`: retries for the first batch, until its gradients
-# are finite or the scale reaches `min_scale` (2**24 to 1 takes 24 halvings),
-# so that no batch is lost while the scale settles; then one per batch, so a
-# rare overflowing batch is redone once at the backed-off scale instead of
-# dropped (the scale moves as it would have for the skip).
-_SETTLING_RETRIES = 32
-_AUTO_RETRIES = 1
-
-
 def _asked_retries(model):
     return getattr(model, "_kmp_overflow_retries", "auto")
 
@@ -129,40 +121,33 @@ def is_users_scaler(model, optimizer):
     return optimizer is not None and optimizer is getattr(model, "_kmp_users_scaler", None)
 
 
-def retries_on(model, optimizer, can_retry):
-    """Whether a batch of `model`'s own train step can be redone (see
-    `retry_budget`; `can_retry`: the backend's answer, whether a batch can be
-    redone there at all, `trainer.can_retry()`)."""
+def retries(model, own_step):
+    """The `kmp.scaling._retry.Retries` of `model`'s train function, or `None`
+    where no batch can be redone.
+
+    `compile(overflow_retries=n)`: `n` retries a batch (`None` for 0).
+    `"auto"`: the settling retries, where kmp made the scaler (a dynamic,
+    enabled kmp scaler around the optimizer compile was given, without
+    gradient accumulation); a scaler the user made keeps Keras' semantics
+    (skipped, not redone). Only kmp.Model's own step (`own_step`) redoes a
+    batch: a subclass's own step cannot have its metrics and optimizers
+    rolled back.
+    """
+    optimizer = getattr(model, "optimizer", None)
     asked = _asked_retries(model)
-    if asked != "auto":
-        return bool(asked)
-    return (
-        isinstance(optimizer, loss_scale_module.LossScaleOptimizer)
-        # A scaler the user made keeps Keras' semantics: skipped, not redone.
-        and not is_users_scaler(model, optimizer)
+    if not own_step or not isinstance(optimizer, loss_scale_module.LossScaleOptimizer):
+        return None
+    if asked == "auto" and not (
+        not is_users_scaler(model, optimizer)
         and optimizer.enabled
         and optimizer.dynamic
         and not _scaling_step.accumulation_steps(optimizer)
-        and can_retry
-    )
-
-
-def retry_budget(model, optimizer, can_retry):
-    """The retries a batch of `model`'s own train step gets, or `None` (none).
-
-    `compile(overflow_retries=n)`: `n` (`None` for 0). `"auto"`: where a retry
-    can run and kmp made the scaler (a dynamic kmp scaler around the optimizer
-    compile was given, without gradient accumulation, and a step without
-    `merge_call`: `can_retry`, the trainer's `can_retry()`), an int32 tensor: `_SETTLING_RETRIES` until a step
-    has been applied, then `_AUTO_RETRIES`; elsewhere `None`.
-    """
-    asked = _asked_retries(model)
-    if asked != "auto":
-        return asked or None
-    if not retries_on(model, optimizer, can_retry):
+    ):
         return None
-    settled = ops.greater(optimizer.iterations, 0)
-    return ops.cast(ops.where(settled, _AUTO_RETRIES, _SETTLING_RETRIES), "int32")
+    if asked == 0:
+        return None
+    settled = optimizer.built and int(ops.convert_to_numpy(optimizer.iterations)) > 0
+    return _retry.Retries(asked, settled)
 
 
 def uncounted_epoch_logs(logs, counted, own):
@@ -205,18 +190,21 @@ def scaler_logs(model, applied, retrying=False, loss=None):
     per-step values while one watches). Several (a GAN's): each named after
     its attribute, `d_optimizer_loss_scale`, ...
     """
-    names = {id(opt): name for name, opt in _optimizers.scaling_optimizers(model).items()}
     scalers = [
         opt for opt in applied if isinstance(opt, loss_scale_module.LossScaleOptimizer)
     ]
+    names = {} if len(scalers) == 1 else {
+        id(opt): name for name, opt in _optimizers.scaling_optimizers(model).items()}
     logs = {}
     for optimizer in scalers:
         prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
         if optimizer.scaling:  # a scale fixed at 1 (the guard alone) says nothing
-            logs[prefix + "loss_scale"] = optimizer.loss_scale
-        logs[prefix + "skipped_steps"] = optimizer.skipped_steps
+            # The variable's value after the step (built: it has applied).
+            logs[prefix + "loss_scale"] = ops.convert_to_tensor(optimizer._kmp_scale.value)
+        counters = optimizer.counters  # one read of the counter vector
+        logs[prefix + "skipped_steps"] = counters["skipped_steps"]
         if retrying:
-            logs[prefix + "retried_steps"] = optimizer.counters["retries"]
+            logs[prefix + "retried_steps"] = counters["retries"]
     if (
         len(scalers) == 1
         and loss is not None

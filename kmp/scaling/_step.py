@@ -21,6 +21,8 @@ own = state_after(scale, counters, finite)             # the same pure rule
 ```
 """
 
+import collections
+
 import keras
 from keras import ops
 
@@ -52,6 +54,83 @@ def add_state_variable(optimizer, name, shape, dtype, initial):
     )
 
 
+def build_state(optimizer, var_list):
+    """Creates the scaler's own variables (`LossScaleOptimizer.build`): its
+    scale, its counters, the monitor's flags, and, where used, the
+    accumulation window's and the spike rule's state."""
+    counter_dtype = _scaling_rule.COUNTER_DTYPE
+    counters = _scaling_rule.COUNTERS
+    optimizer._kmp_scale = add_state_variable(optimizer, "loss_scale", (), "float32",
+                                              optimizer.initial_scale)
+    # All the step's counters in one vector (see `COUNTERS`): one read and
+    # one write per step, counted on the device.
+    initial_counters = [0] * len(counters)
+    initial_counters[counters.index("hysteresis_left")] = optimizer.hysteresis
+    optimizer._counters = add_state_variable(optimizer, "counters", (len(counters),),
+                                             counter_dtype, initial_counters)
+    # 1 for each variable whose gradient overflowed at the latest backward
+    # overflow; written only while a monitor asks for it.
+    optimizer._nonfinite_gradients = add_state_variable(
+        optimizer, "nonfinite_gradients", (len(var_list),), counter_dtype, 0)
+    backends.get("step").check_buildable(optimizer)
+    if accumulation_steps(optimizer):
+        optimizer._accumulation_window = add_state_variable(
+            optimizer, "accumulation_window", (2,), counter_dtype, 0)
+    if optimizer.skip_spikes is not None:
+        # The spike rule's recent losses, and [losses seen, spikes].
+        optimizer._spike_window = add_state_variable(
+            optimizer, "spike_window", (optimizer.spike_window,), "float32", 0.0)
+        optimizer._spike_counts = add_state_variable(
+            optimizer, "spike_counts", (2,), counter_dtype, 0)
+
+
+def apply_told(optimizer, grads, trainable_variables, *, divide, loss, retries_left=None):
+    """`LossScaleOptimizer._kmp_apply`: one step, told what it is given.
+
+    Args:
+        optimizer: The `kmp.LossScaleOptimizer`.
+        grads: List of gradients (`None` entries are left out).
+        trainable_variables: List of variables, or `None` for the ones the
+            optimizer was built with.
+        divide: Bool. Whether `grads` carry the loss scale.
+        loss: The unscaled loss, or `None` where unknown.
+        retries_left: Int tensor, or `None`: the retries the caller allows
+            this batch (`kmp.scaling._retry`).
+
+    Returns:
+        The `kmp.scaling._handoff.StepAnswer`.
+    """
+    trainable_variables = list(
+        _keras_internals.built_variables(optimizer) if trainable_variables is None
+        else trainable_variables
+    )
+    if not optimizer.built:
+        # Built outside any tf.function: built inside one, in a replica of
+        # MirroredStrategy, the variables' initializers are left as
+        # placeholders in a cond, as Keras' own Adam's are.
+        with backends.get("step").outside_functions(), keras.name_scope(
+                optimizer.name, caller=optimizer):
+            optimizer.build(trainable_variables)
+        optimizer.built = True
+    grads, trainable_variables = _keras_internals.filter_empty_gradients(
+        optimizer, list(grads), trainable_variables
+    )
+    if not optimizer.enabled:
+        optimizer.inner_optimizer.apply(grads, trainable_variables)
+        return _handoff.StepAnswer(ops.convert_to_tensor(True))
+    steps = accumulation_steps(optimizer)
+    if retries_left is not None and steps:
+        raise ValueError(
+            "`overflow_retries` cannot be combined with the inner optimizer's "
+            "`gradient_accumulation_steps` (a retry would redo one micro-batch "
+            f"of a window). Received: gradient_accumulation_steps={steps}"
+        )
+    return backends.get("step").apply(
+        optimizer, grads, trainable_variables, divide=divide and optimizer.scaling, loss=loss,
+        retries_left=retries_left,
+    )
+
+
 def unscale(optimizer, grads, variables=None, scale=None):
     """`grads` divided by the loss scale (`scale`, or the current one): the
     one place kmp unscales.
@@ -60,9 +139,8 @@ def unscale(optimizer, grads, variables=None, scale=None):
     moving statistic under some layers) take it as it is, as in Keras' scaler;
     they are judged by the variable, not its value (keras-team/keras#21706).
     """
-    keep = None if variables is None else [
-        _keras_internals.overwrites_with_gradient(optimizer, v) for v in variables
-    ]
+    keep = None if variables is None else _keras_internals.overwritten_with_gradient(
+        optimizer, variables)
     if keep is not None and len(keep) != len(grads):
         keep = None
     if scale is None:
@@ -186,91 +264,52 @@ def state_after(optimizer, scale, counters, decision, flags_before=None, spike_s
     return own
 
 
-def assign_state(optimizer, decision, variables=()):
+def assign_state(optimizer, decision):
     """Assigns `state_after` the current state to the scaler's variables,
-    and moves the float8 gradient state among `variables` (the step's
-    trainable variables) to the new scale (`float8_gradient_state`)."""
+    and what its followers write for the new scale (`follow_scale`)."""
     scale = optimizer._kmp_scale.value
-    pairs = float8_gradient_state(variables)
-    if pairs:
-        # Read now: on TensorFlow a variable's `value` is read where it is
+    if optimizer._kmp_scale_followers:
+        # Read now: on TensorFlow a variable's value is read where it is
         # used, which would be after the assignments below.
-        snapshot = backends.get("step").snapshot
-        scale = snapshot(scale)
-        values = [(snapshot(variables[h].value), snapshot(variables[s].value)) for h, s in pairs]
+        scale = backends.get("step").snapshot(scale)
     own = state_after(optimizer, scale, optimizer.counters, decision)
     for variable in optimizer.variables:
         if id(variable) in own:
             variable.assign(own[id(variable)])
-    if pairs:
-        rescaled = rescale_float8(values, own[id(optimizer._kmp_scale)], scale)
-        for (h, s), (history, float8_scale) in zip(pairs, rescaled):
-            variables[h].assign(history)
-            variables[s].assign(float8_scale)
+    for variable, value in follow_scale(optimizer, lambda v: v.value, scale,
+                                        own[id(optimizer._kmp_scale)]):
+        variable.assign(value)
 
 
-# Keras' float8 layers (`layer.quantize("float8")` on Dense and EinsumDense)
-# name the amax history and the scale of their output gradient so.
-_FLOAT8_GRADIENT = ("outputs_grad_amax_history", "outputs_grad_scale")
+def follow_scale(optimizer, values_of, old_scale, new_scale):
+    """What the scaler's followers (`LossScaleOptimizer._kmp_scale_followers`)
+    write when the scale moves from `old_scale` to `new_scale`.
 
-
-def float8_gradient_state(variables):
-    """`[(history_index, scale_index), ...]`: where in `variables` each float8
-    layer's output-gradient amax history and scale are.
-
-    Under a loss scale these record gradients of the scaled loss, so they
-    carry the scale: when it changes, `rescale_float8` moves them with it.
-    """
-    layers = {}
-    for index, variable in enumerate(variables):
-        name = getattr(variable, "name", None)
-        if name in _FLOAT8_GRADIENT:
-            layers.setdefault(variable.path.rpartition("/")[0], {})[name] = index
-    return [
-        (found[_FLOAT8_GRADIENT[0]], found[_FLOAT8_GRADIENT[1]])
-        for found in layers.values()
-        if len(found) == 2
-    ]
-
-
-def rescale_float8(pairs, new_scale, old_scale):
-    """Float8 output-gradient amax histories and scales moved to a new loss scale.
-
-    ```
-    ratio = new_scale / old_scale
-    for history, scale in pairs:
-        history <- history * ratio
-        scale <- scale * ratio   if max(history) > 0
-                 scale           otherwise (nothing recorded yet: Keras
-                                 keeps the initial scale, so does this)
-    ```
-
-    Pure, with `keras.ops`: the step calls it once per attempt, after apply
-    or skip and the scale's update, with no branch (a ratio of 1, most
-    steps, changes nothing, bit for bit). `kmp.float8.rescale_gradient_amax`
-    says why.
+    A follower is registered by the code that owns the variables whose
+    values carry the loss scale (kmp's float8 support:
+    `kmp.precision._float8_training.follow_loss_scale`): a `ScaleFollower`
+    of `(history, scale)` variable pairs and the pure function that moves
+    their values, called once per attempt, after the scale's update, with
+    no branch.
 
     Args:
-        pairs: List of `(history, scale)` tensors.
-        new_scale, old_scale: Scalar tensors or numbers: the loss scale the
-            next attempt uses, and the one the values were recorded under.
+        optimizer: The `kmp.LossScaleOptimizer`.
+        values_of: Callable of a variable: its value after the apply.
+        old_scale, new_scale: Scalar tensors: the scale before and after.
 
     Returns:
-        A list of `(history, scale)` float32 tensors, in the order given.
+        A list of `(variable, new value)`.
     """
-    if not pairs:
-        return []
-    ratio = ops.divide(ops.cast(new_scale, "float32"), ops.cast(old_scale, "float32"))
-    rescaled = []
-    for history, scale in pairs:
-        history = ops.convert_to_tensor(history, "float32")
-        scale = ops.convert_to_tensor(scale, "float32")
-        recorded = ops.max(history) > 0.0
-        rescaled.append((
-            ops.multiply(history, ratio),
-            ops.where(recorded, ops.multiply(scale, ratio), scale),
-        ))
-    return rescaled
+    updates = []
+    for follower in optimizer._kmp_scale_followers:
+        values = [(values_of(h), values_of(s)) for h, s in follower.pairs]
+        moved = follower.rescale(values, new_scale, old_scale)
+        for (h, s), (history, scale) in zip(follower.pairs, moved):
+            updates += [(h, history), (s, scale)]
+    return updates
+
+
+ScaleFollower = collections.namedtuple("ScaleFollower", ["pairs", "rescale"])
 
 
 def monitor_state(optimizer):
@@ -292,7 +331,7 @@ def monitor_state(optimizer):
 
 
 def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *, loss=None,
-                   divide=True):
+                   divide=True, retries_left=None):
     """One loss-scaled step as a pure function of values.
 
     Args:
@@ -304,9 +343,12 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
         loss: Optional unscaled loss: a skip whose loss is not finite is a
             forward overflow (for the monitor).
         divide: Bool. Whether `grads` are scaled and must be divided.
+        retries_left: Int, or `None`: the retries the caller allows this
+            batch (`kmp.scaling._retry`).
 
     Returns:
-        `(new_trainable_values, new_optimizer_values, applied)`.
+        `(new_trainable_values, new_optimizer_values, applied, retry)`
+        (`retry` `None` where `retries_left` is).
     """
     inner = optimizer.inner_optimizer
     variables = list(optimizer.variables)
@@ -327,7 +369,8 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     grads, divide, finite, loss_finite, nonfinite = check(
         optimizer, grads, built, loss, divide=divide, scale=scale
     )
-    decision = decide(optimizer, finite, loss_finite, nonfinite, loss, spike_state=spike_state)
+    decision = decide(optimizer, finite, loss_finite, nonfinite, loss, retries_left=retries_left,
+                      scale=scale, spike_state=spike_state)
     applied = _scaling_rule.applied(decision)
     inner_ids = {id(v) for v in inner.variables}
     inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
@@ -350,12 +393,10 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
         new_trainable, new_inner = apply() if bool(applied) else skip()
     own = state_after(optimizer, scale, counters, decision, flags_before, spike_state)
     new_trainable = list(new_trainable)
-    pairs = float8_gradient_state(built)
-    rescaled = rescale_float8(
-        [(new_trainable[h], new_trainable[s]) for h, s in pairs], own[id(optimizer._kmp_scale)], scale
-    )
-    for (h, s), (history, float8_scale) in zip(pairs, rescaled):
-        new_trainable[h], new_trainable[s] = history, float8_scale
+    position = {id(v): i for i, v in enumerate(built)}
+    for variable, value in follow_scale(optimizer, lambda v: new_trainable[position[id(v)]],
+                                        scale, own[id(optimizer._kmp_scale)]):
+        new_trainable[position[id(variable)]] = value
     new_inner = iter(new_inner)
     new_values = []
     for variable, value in mapping:
@@ -363,7 +404,7 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
             new_values.append(next(new_inner))
         else:
             new_values.append(own.get(id(variable), value))
-    return list(new_trainable), new_values, applied
+    return list(new_trainable), new_values, applied, decision.retry
 
 
 def as_values(values):
@@ -391,7 +432,7 @@ def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
     # Applied; no loss kept: one recorded in a traced function must not
     # outlive its trace.
     optimizer._kmp_record.answer = _handoff.StepAnswer()
-    new_trainable, new_values, _ = stateless_step(
+    new_trainable, new_values, _, _ = stateless_step(
         optimizer, optimizer_variables, grads, trainable_variables, divide=divide
     )
     return new_trainable, new_values

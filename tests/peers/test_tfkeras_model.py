@@ -449,13 +449,18 @@ def test_compile_wraps_with_loss_scale_optimizer():
         assert model.optimizer.dynamic_growth_steps == 2
 
     with kmp.policy_scope("mixed_bfloat16"):
-        # A mixed_bfloat16 model is not wrapped.
+        # A mixed_bfloat16 model is not wrapped in a loss scaler. kmp differs
+        # on purpose (issue 46): its guard, a kmp.LossScaleOptimizer whose
+        # scale is fixed at 1, skips a step whose loss or gradients are not
+        # finite; `skip_nonfinite=False` keeps tf-keras' behaviour exactly.
         inputs = keras.Input((1,))
         model = kmp.Model(inputs, MultiplyLayer()(inputs))
         optimizer = keras.optimizers.SGD(1.0)
-        model.compile(optimizer, "mse")
+        model.compile(optimizer, "mse", skip_nonfinite=False)
         assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         assert model.optimizer is optimizer
+        model.compile(optimizer, "mse")
+        assert not model.optimizer.scaling and model.optimizer.inner_optimizer is optimizer
 
 
 def test_pass_invalid_optimizer_with_loss_scaling():

@@ -15,6 +15,13 @@ def map_gradient(fn, gradient):
     return None if gradient is None else fn(gradient)
 
 
-def values(gradient):
-    """The gradient itself."""
-    return gradient
+def map_gradients(fn, gradients, keep=None):
+    """`map_gradient(fn, g)` for each of `gradients`, but those whose `keep`
+    is true, left as they are."""
+    keep = keep or [False] * len(gradients)
+    return [g if skip or g is None else fn(g) for g, skip in zip(gradients, keep)]
+
+
+def values_of(gradients):
+    """The gradients themselves (JAX's are arrays)."""
+    return list(gradients)

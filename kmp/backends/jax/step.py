@@ -75,14 +75,15 @@ def check_buildable(optimizer):
         )
 
 
-def apply(optimizer, grads, trainable_variables, *, divide, loss, request):
+def apply(optimizer, grads, trainable_variables, *, divide, loss, retries_left):
     """`LossScaleOptimizer.apply` on JAX: the pure step, then assigned.
 
     The step runs over every variable the optimizer was built with; those
     not among `trainable_variables` (or whose gradient was `None`, filtered
     out before) get a `None` gradient, which the inner optimizer leaves
-    alone, as Keras' `apply` leaves them. Retries are TensorFlow's: the
-    answer's `retry` is `None`.
+    alone, as Keras' `apply` leaves them. A batch is redone by kmp.Model's
+    train function, which calls the stateless step (`retries_left` here is
+    for its callers alike, and `None` from a loop of the user's own).
 
     Returns:
         The `kmp.scaling._handoff.StepAnswer`.
@@ -100,20 +101,22 @@ def apply(optimizer, grads, trainable_variables, *, divide, loss, request):
     for grad, variable in zip(grads, trainable_variables):
         all_grads[positions[id(variable)]] = grad
     if not any(isinstance(g, jax.core.Tracer) for g in all_grads):
-        finite = _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, loss)
-        return _handoff.StepAnswer(finite, None, loss)
-    new_trainable, new_values, finite = _scaling_step.stateless_step(
+        finite, retry = _apply_eagerly(
+            optimizer, all_grads, built, trainable_variables, divide, loss, retries_left)
+        return _handoff.StepAnswer(finite, retry, loss)
+    new_trainable, new_values, finite, retry = _scaling_step.stateless_step(
         optimizer, [v.value for v in optimizer.variables], all_grads,
-        [v.value for v in built], loss=loss, divide=divide,
+        [v.value for v in built], loss=loss, divide=divide, retries_left=retries_left,
     )
     for variable in trainable_variables:
         variable.assign(new_trainable[positions[id(variable)]])
     for variable, value in zip(optimizer.variables, new_values):
         variable.assign(value)
-    return _handoff.StepAnswer(finite, None, loss)
+    return _handoff.StepAnswer(finite, retry, loss)
 
 
-def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, loss):
+def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, loss,
+                   retries_left):
     """`apply` on JAX outside a trace: decided on the host, then the inner
     optimizer's own `apply` updates the variables, as Keras' scaler does (a
     sparse gradient then reaches the inner optimizer's `assign_sub` as it
@@ -122,7 +125,8 @@ def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, los
     grads, divide, finite, loss_finite, nonfinite = _scaling_step.check(
         optimizer, all_grads, built, loss, divide=divide, scale=scale
     )
-    decision = _scaling_step.decide(optimizer, finite, loss_finite, nonfinite, loss)
+    decision = _scaling_step.decide(optimizer, finite, loss_finite, nonfinite, loss,
+                                    retries_left=retries_left, scale=scale)
     finite = _scaling_rule.applied(decision)
     if bool(finite):
         unscaled = _scaling_step.unscale(optimizer, grads, built, scale) if divide else grads
@@ -131,4 +135,4 @@ def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, los
             [by_id[id(v)] for v in trainable_variables], trainable_variables
         )
     _scaling_step.assign_state(optimizer, decision)
-    return ops.convert_to_tensor(bool(finite))
+    return ops.convert_to_tensor(bool(finite)), decision.retry

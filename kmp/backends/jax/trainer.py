@@ -33,9 +33,9 @@ import jax
 import keras
 from keras import ops
 
-from kmp.scaling import _handoff
 from kmp import _keras_internals
 from kmp.scaling import _model_step
+from kmp.scaling import _retry
 from kmp.scaling import _step as _scaling_step
 from kmp import loss_scale as loss_scale_module
 from kmp.backends.jax import unsupported
@@ -45,26 +45,13 @@ from kmp.backends.jax import unsupported
 REWRAP_EACH_TRAIN_FUNCTION = True
 
 
-def can_retry():
-    """Retries are TensorFlow's: on JAX an overflowing batch is skipped."""
-    return False
-
-
 def check_compile(model, overflow_retries):
-    """Refuses a `tf.distribute` strategy and retries, which are TensorFlow's."""
+    """Refuses a `tf.distribute` strategy, which is TensorFlow's."""
     if _tf_strategy_in_use():
         raise unsupported(
             "A tf.distribute strategy",
             "On JAX, set keras.distribution.DataParallel (or another keras.distribution) "
             "before building the model instead.",
-        )
-    if overflow_retries not in ("auto", 0):
-        raise ValueError(
-            "`overflow_retries` redoes a batch inside TensorFlow's train function; on "
-            "the JAX backend a batch whose gradients overflow is skipped and counted "
-            "(the scale backs off for the next one). Use overflow_retries='auto' or 0 "
-            "there, or the TensorFlow backend. Received: overflow_retries="
-            f"{overflow_retries!r}"
         )
 
 
@@ -73,7 +60,12 @@ def strategy_scope(model):
 
 
 def train_function(model, own_step):
-    """Keras' train function, whose logs lose the monitor's values."""
+    """Keras' train function, whose logs lose the monitor's values; where
+    kmp.Model's own step can redo a batch (`_model_step.retries`), kmp's
+    own (`_RetryingFunction`)."""
+    retries = _model_step.retries(model, own_step)
+    if retries is not None:
+        return _RetryingFunction(model, retries)
     return _without_monitor_logs(model, model.train_function)
 
 
@@ -86,12 +78,68 @@ def build_from_iterator(model, iterator, strategy):
     return False
 
 
-def finish_epoch(model, logs):
-    """The epoch's last logs, as they are: nothing is redone later on JAX."""
-    return logs
+class _RetryingFunction:
+    """fit's train function where kmp.Model's own step can redo a batch:
+    TensorFlow's `distribute.RetryingFunction` in JAX's terms.
+
+    ```
+    def train_function(state, iterator):
+        for each of steps_per_execution batches:   # as Keras' own JAX loop
+            batch = next(iterator)
+            logs = retries.run(                    # kmp.scaling._retry
+                lambda left: step(state, batch, left), ...)   # state carried
+        return logs, state
+    ```
+
+    The step is `model.train_step` jitted as Keras jits it (its state
+    donated, the distribution's shardings kept), taking the batch's
+    `retries_left` as an argument: one trace for every budget.
+    """
+
+    def __init__(self, model, retries):
+        self._model, self._retries = model, retries
+        step = model.train_step
+        if not model.run_eagerly and model.jit_compile:
+            out_shardings = None
+            if keras.distribution.distribution() is not None:
+                out_shardings = (None, _state_shardings(model))
+            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        self._step = step
+
+    def __call__(self, state, iterator):
+        logs = None
+        for _ in range(self._model.steps_per_execution):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                if logs is None:
+                    raise
+                break
+            carried = [state]
+
+            def attempt(retries_left, data=data, carried=carried):
+                logs, carried[0] = self._step(carried[0], data, retries_left)
+                return logs
+
+            logs = self._retries.run(attempt, attempt)
+            state = carried[0]
+        if isinstance(logs, dict):
+            object.__setattr__(self._model, "_kmp_monitor_logs", _model_step.pop_monitor_logs(logs))
+        return logs, state
 
 
-def _scaler_logs(model, optimizer_values):
+def _state_shardings(model):
+    """The shardings of Keras' JAX state, as Keras' own train function keeps them."""
+    optimizer = getattr(model, "optimizer", None)
+    return tuple(
+        [v.value.sharding for v in variables]
+        for variables in (model.trainable_variables, model.non_trainable_variables,
+                          optimizer.variables if optimizer is not None else [],
+                          model.metrics_variables)
+    )
+
+
+def _scaler_logs(model, optimizer_values, retrying=False):
     """`_model_step.scaler_logs`, the logs TensorFlow's step adds, read
     from a step's new optimizer values."""
     optimizer = model.optimizer
@@ -100,22 +148,27 @@ def _scaler_logs(model, optimizer_values):
     if not optimizer.built or len(optimizer_values) != len(optimizer.variables):
         return {}
     with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_values))):
-        return _model_step.scaler_logs(model, [optimizer])
+        return _model_step.scaler_logs(model, [optimizer], retrying)
 
 
-def train_step(model, state, data, keras_train_step):
+def train_step(model, state, data, keras_train_step, retries_left=None):
     """kmp.Model's train step on JAX: Keras' own, with the loss-scaled step.
 
     As Keras' `JAXTrainer.train_step`, except that the scaler also gets the
     unscaled loss (a skip whose loss is not finite is a forward overflow),
     and a skipped step leaves the metrics as they were (one poisoned batch
     does not make the epoch's loss NaN), and the state the forward pass
-    wrote (a BatchNormalization's moving statistics).
+    wrote (a BatchNormalization's moving statistics). Given `retries_left`
+    (by kmp's train function), the logs say whether to redo the batch and
+    whether it was applied (`kmp.scaling._retry`).
     """
     trainable, non_trainable, optimizer_values, metrics_values = state
     optimizer = model.optimizer
     if not (isinstance(optimizer, loss_scale_module.LossScaleOptimizer) and optimizer.enabled):
-        return keras_train_step(state, data)
+        logs, state = keras_train_step(state, data)
+        if retries_left is not None and isinstance(logs, dict):
+            logs = dict(logs, **_retry.attempt_logs(None, True))
+        return logs, state
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
@@ -124,9 +177,12 @@ def train_step(model, state, data, keras_train_step):
         training=True, optimizer_variables=optimizer_values,
     )
     unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
-    divide, _ = _handoff.take_for_apply(optimizer)
-    trainable, optimizer_values, finite = _scaling_step.stateless_step(
-        optimizer, optimizer_values, grads, trainable, loss=unscaled_loss, divide=divide
+    # Keras' `compute_loss_and_updates` scaled the loss (`scale_loss`, which
+    # notes it for code kmp does not own); this step knows it, by value.
+    optimizer._kmp_record.take()
+    trainable, optimizer_values, finite, retry = _scaling_step.stateless_step(
+        optimizer, optimizer_values, grads, trainable, loss=unscaled_loss,
+        divide=optimizer.scaling, retries_left=retries_left,
     )
     logs, new_metrics = _keras_internals.update_metrics_variables(
         model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight
@@ -151,6 +207,8 @@ def train_step(model, state, data, keras_train_step):
     if "loss" in logs:
         # No step applied yet this epoch: the loss and metrics of the skipped one.
         logs = _model_step.uncounted_epoch_logs(logs, steps_counted > 0, own)
+    if retries_left is not None:
+        logs.update(_retry.attempt_logs(retry, finite))
     if optimizer._monitored:
         logs.update(_monitor_logs(optimizer, optimizer_values, unscaled_loss))
     return logs, (trainable, non_trainable, optimizer_values, kept)
@@ -184,21 +242,23 @@ def reporting_step(model, step, own):
     it would then keep, compiled in, for every step after).
     """
     @functools.wraps(step)
-    def train_step_with_scaler_logs(state, data):
+    def train_step_with_scaler_logs(state, data, retries_left=None):
+        # `retries_left`: kmp's train function passes it to its own step.
+        kwargs = {} if retries_left is None else {"retries_left": retries_left}
         with _model_step.inside_model_step(model, own) as scalers:
             try:
                 mapping = _scaler_state_mapping(model, scalers, state)
-                if not mapping:  # no scaler (a float32 or bfloat16 policy): as Keras runs it
-                    logs, state = step(model, state, data)
+                if not mapping:  # no scaler (float32 without the guard): as Keras runs it
+                    logs, state = step(model, state, data, **kwargs)
                 else:
                     with _ScalerState(mapping) as scope:
-                        logs, state = step(model, state, data)
+                        logs, state = step(model, state, data, **kwargs)
                     scope.assign_updates()
             finally:
                 for optimizer in scalers:  # nothing traced may outlive the trace
                     optimizer._kmp_record.forget_traced()
         if isinstance(logs, dict) and len(state) == 4:
-            logs = dict(logs, **_scaler_logs(model, state[2]))
+            logs = dict(logs, **_scaler_logs(model, state[2], retries_left is not None))
         return logs, state
 
     return train_step_with_scaler_logs

@@ -27,20 +27,18 @@ shapes and dtypes matter, so no collective is needed) and, under
 which reduce all the step's logs in one collective.
 """
 
-import collections
+import functools
 
 import keras
 import tensorflow as tf
 
 from kmp import _keras_internals
+from kmp.scaling import _retry
 
 # The logs that every replica computes identically (they come from the loss
 # scaler's state, which is decided on all-reduced gradients): they need no
 # reduction across replicas.
-_REPLICA_INVARIANT_LOGS = ("loss_scale", "skipped_steps")
-# The log by which an XLA-compiled train step asks its train function to
-# redo the batch (see `make_function`); never in the logs `fit` sees.
-RETRY_LOG = "_kmp_retry"
+_REPLICA_INVARIANT_LOGS = ("loss_scale", "skipped_steps") + _retry.ATTEMPT_LOGS
 
 _SUPPORTED_STRATEGIES = (
     "the default strategy, tf.distribute.OneDeviceStrategy, "
@@ -153,51 +151,49 @@ def reduce_logs(logs, strategy):
 _ITERATORS = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
 
-def train_or_test_function(model, step_function, keras_function, retries=False):
+def train_or_test_function(model, step_function, keras_function, retries=None):
     """The function that `fit` (or `evaluate`) calls for `step_function`.
 
-    kmp's own (`make_function`) under `MultiWorkerMirroredStrategy`, where
-    Keras' fails. With one replica, one step per call and a traced step
-    (not `run_eagerly`), kmp's own for `tf.data` iterators too: Keras' own
-    wraps each step's logs in a `tf.experimental.Optional` (so that a call
-    running several steps can stop early without an error), and unwrapping
-    it costs two more eager ops per call, about 0.2 ms on a CPU, where a
-    small model's whole step takes 1.5 ms. Anything else (several
+    With `retries` (kmp.Model's own train step, where a batch can be
+    redone), a `RetryingFunction`, in every mode and under every strategy.
+    Otherwise kmp's own (`make_function`) under `MultiWorkerMirroredStrategy`,
+    where Keras' fails; and with one replica, one step per call and a traced
+    step (not `run_eagerly`), kmp's own for `tf.data` iterators too: Keras'
+    own wraps each step's logs in a `tf.experimental.Optional` (so that a
+    call running several steps can stop early without an error), and
+    unwrapping it costs two more eager ops per call, about 0.2 ms on a CPU,
+    where a small model's whole step takes 1.5 ms. Anything else (several
     replicas on one machine, `steps_per_execution > 1`, `run_eagerly`,
     `train_on_batch`'s generator) goes to `keras_function`.
-
-    With `retries` (a train step compiled by XLA whose overflowing batches
-    kmp redoes), kmp's own for `tf.data` iterators with one replica whatever
-    `steps_per_execution`: it redoes a batch by calling the compiled step
-    again (see `make_function`).
 
     Args:
         model: `keras.Model`. The model being trained.
         step_function: Callable. `model.train_step` or `model.test_step`.
         keras_function: Keras' own function for it (`model.train_function`
             as `Model.make_train_function` set it).
-        retries: Bool. Whether the function redoes overflowing batches
-            around an XLA-compiled step. Defaults to `False`.
+        retries: A `kmp.scaling._retry.Retries`, or `None`.
     """
     strategy = model.distribute_strategy
+    if retries is not None:
+        function = RetryingFunction(model, step_function, retries)
+        return function if is_multi_worker(strategy) else _ByIterator(function, keras_function)
     if is_multi_worker(strategy):
         return make_function(model, step_function)
     if (
         model.run_eagerly
-        or (model.steps_per_execution != 1 and not retries)
+        or model.steps_per_execution != 1
         or strategy.num_replicas_in_sync != 1
     ):
         return keras_function
-    return _ByIterator(make_function(model, step_function, retries=retries), keras_function)
+    return _ByIterator(make_function(model, step_function), keras_function)
 
 
 class _ByIterator:
     """`direct` for `tf.data` and distributed iterators, `keras_function`
-    for anything else; `finish_epoch` is `direct`'s, where it has one."""
+    for anything else."""
 
     def __init__(self, direct, keras_function):
         self._direct, self._keras_function = direct, keras_function
-        self.finish_epoch = getattr(direct, "finish_epoch", lambda: None)
 
     def __call__(self, iterator):
         if isinstance(iterator, _ITERATORS):
@@ -205,7 +201,46 @@ class _ByIterator:
         return self._keras_function(iterator)
 
 
-def make_function(model, step_function, retries=False):
+def _step_on_data(model, step_function, retries=False):
+    """The function that runs `step_function` on one batch on every replica
+    and reduces its logs (`reduce_logs`); a `tf.function`, compiled with
+    `model.jit_compile`, unless `model.run_eagerly`.
+
+    With `retries`, it takes the batch's `retries_left` (an int32 tensor, so
+    that every budget runs the one trace, the one XLA program) and passes it
+    to kmp.Model's own step.
+    """
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data, *retries_left):
+        # A generator's missing values (no sample weights) arrive as empty
+        # Optionals, as in Keras' own function.
+        data = keras.tree.map_structure(
+            lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
+        )
+        kwargs = {"retries_left": retries_left[0]} if retries else {}
+        return reduce_logs(strategy.run(step_function, args=(data,), kwargs=kwargs), strategy)
+
+    if model.run_eagerly:
+        return one_step_on_data
+    return tf.function(
+        one_step_on_data,
+        reduce_retracing=True,
+        jit_compile=model.jit_compile,
+        # Not inlined into the function that takes the batch: inlined, the
+        # step's ops that do not read the batch (the optimizer's step
+        # count, a dropout seed) would run even when the iterator turns out
+        # empty and the call ends in OutOfRangeError. Called as a function,
+        # the step starts once its batch is there. (An XLA-compiled step is
+        # one op, which waits for its inputs.)
+        experimental_attributes=(
+            None if model.jit_compile else _keras_internals.noinline_function_attributes()
+        ),
+    )
+
+
+def make_function(model, step_function, step_on_data=None):
     """Returns a train (or test) function that runs `step_function` per batch.
 
     It does what Keras' `TensorFlowTrainer._make_function` does (runs
@@ -218,6 +253,8 @@ def make_function(model, step_function, retries=False):
     Args:
         model: `keras.Model`. The model being trained.
         step_function: Callable. `model.train_step` or `model.test_step`.
+        step_on_data: Optional callable of one batch, run per step in place
+            of `_step_on_data(model, step_function)`.
 
     What differs from Keras' function:
 
@@ -234,89 +271,12 @@ def make_function(model, step_function, retries=False):
     (Keras 3.7 and later: steps per iteration of the loop, each after the
     first guarded by a cond) are honoured as in Keras.
 
-    With `retries` (a train step compiled by XLA), a batch whose gradients
-    overflowed is redone by calling the compiled step again on it. With one
-    step per call, `RedoLater` does it from Python, one call later, so that
-    nothing in the function waits for the step's outcome (see there). With
-    several, the function redoes it at once:
-
-    ```
-    logs = step(batch, attempt=0)          # one XLA program: one attempt
-    while logs.pop(RETRY_LOG):             # the scale has backed off
-        logs = step(batch, attempt=1, 2, ...)
-    ```
-
-    an `If` op whose predicate the host reads, so each of those steps
-    waits for the one before it. In both, the step is compiled once, and
-    XLA sees no loop or branch that may write the variables: each would get
-    buffers of its own and copy every weight and slot on every step (see
-    `kmp.backends.tensorflow.trainer.train_step`).
-
     Returns:
         A function of a `tf.data` or distributed iterator that returns the
-        logs of the last step it ran (a `RedoLater` with retries and one
-        step per call).
+        logs of the last step it ran.
     """
-    strategy = model.distribute_strategy
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_data(data, attempt=None):
-        # A generator's missing values (no sample weights) arrive as empty
-        # Optionals, as in Keras' own function.
-        data = keras.tree.map_structure(
-            lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
-        )
-        # The attempt, where this function redoes batches: an argument of
-        # kmp.Model's own step (`kmp.backends.tensorflow.trainer.train_step`).
-        kwargs = {} if attempt is None else {"attempt": attempt}
-        return reduce_logs(strategy.run(step_function, args=(data,), kwargs=kwargs), strategy)
-
-    if not model.run_eagerly:
-        one_step_on_data = tf.function(
-            one_step_on_data,
-            reduce_retracing=True,
-            jit_compile=model.jit_compile,
-            # Not inlined into the function that takes the batch: inlined,
-            # the step's ops that do not read the batch (the optimizer's
-            # step count, a dropout seed) would run even when the iterator
-            # turns out empty and the call ends in OutOfRangeError. Called
-            # as a function, the step starts once its batch is there. (An
-            # XLA-compiled step is one op, which waits for its inputs.)
-            experimental_attributes=(
-                None if model.jit_compile else _keras_internals.noinline_function_attributes()
-            ),
-        )
-
-    def step_on_data(data):
-        if not retries:
-            return one_step_on_data(data)
-        def attempt_again(attempt, retry, logs):
-            logs = dict(one_step_on_data(data, attempt))
-            return attempt + 1, logs.pop(RETRY_LOG), logs
-
-        _, retry, logs = attempt_again(tf.constant(0), None, None)
-
-        def redo():
-            return tf.while_loop(
-                lambda attempt, retry, logs: retry,
-                attempt_again,
-                (tf.constant(1), tf.constant(True), logs),
-            )[2]
-
-        # One `If` op that TensorFlow does not lower to switches: the loop
-        # calls the compiled step, whose every variable a lowered cond (or a
-        # bare `tf.while_loop`) would pass through an op of its own on every
-        # step, taken or not (~0.5 ms a step on a CPU for 200 variables).
-        return _keras_internals.unlowered_cond(retry, redo, lambda: logs)
-
-    if retries and model.steps_per_execution == 1 and not model.run_eagerly:
-
-        @tf.autograph.experimental.do_not_convert
-        def launch(iterator):
-            data = iterator.get_next()
-            return one_step_on_data(data, tf.constant(0)), data
-
-        return RedoLater(model, tf.function(launch, reduce_retracing=True), one_step_on_data)
+    if step_on_data is None:
+        step_on_data = _step_on_data(model, step_function)
 
     @tf.autograph.experimental.do_not_convert
     def multi_step_on_iterator(iterator):
@@ -365,81 +325,100 @@ def make_function(model, step_function, retries=False):
     return multi_step_on_iterator
 
 
-class RedoLater:
-    """fit's train function with retries around an XLA-compiled step, one
-    step per call: an overflowing batch is redone one call later.
+class RetryingFunction:
+    """fit's train function where kmp.Model's own step can redo a batch.
 
     ```
     def train_function(iterator):
-        logs, batch = step(next(iterator), attempt=0)     # launched, not awaited
-        checked = pending[:]                    # the steps launched before
-        pending.append((batch, 1, logs.pop(RETRY_LOG)))
-        for batch, attempt, retry in checked:   # done, or nearly: the
-            if retry:                           # device has this call's step
-                logs = step(batch, attempt)     # queued behind them
-                pending.append((batch, attempt + 1, logs.pop(RETRY_LOG)))
-        return logs                             # of the step launched last
+        if retries.budget() == 0:              # settled, or no retry left to ask
+            return steady(iterator)            # make_function's, no host read
+        for each of steps_per_execution batches:
+            batch = next(iterator)
+            logs = retries.run(                # kmp.scaling._retry
+                lambda left: step(batch, left), lambda left: step(batch, left))
+        return logs
     ```
 
-    The host reads a step's retry flag only after it has launched the next
-    step, so the device always has a step queued while the host waits: a
-    flag read at once (an `If` on it in the function) made the host wait
-    for every step before it could launch the next, and the device idle
-    while it did. An overflowing batch is so redone after the next batch:
-    the scale backed off in the step that overflowed, so that batch already
-    runs at the lower scale. Until a first step has been applied (the
-    scale settling on the first batch, `overflow_retries="auto"`'s 32
-    retries) each step is checked at once and redone before the next, as
-    without XLA: otherwise every batch launched meanwhile would overflow too.
-
-    `finish_epoch` redoes what is still pending, before the epoch's logs are
-    read (`kmp.Model` calls it there), so no batch is lost at an epoch's end.
+    One step function, traced (and compiled by XLA) once: both paths call
+    it with the batch's `retries_left` as an int32 tensor, 0 on the steady
+    path. Each batch that may be redone is taken from the iterator on the
+    host, so that it can be given to the step again; its flag is then read
+    (the host waits for that step). Once the scale has settled under
+    `overflow_retries="auto"` the budget is 0 and nothing is read: the
+    steady path is `make_function`'s, the step's retry flag unread. The
+    same in eager mode, as a graph and under XLA, under every strategy.
 
     Args:
         model: The `kmp.Model`.
-        launch: `tf.function` of an iterator: `(logs, batch)` of its next
-            batch's first attempt.
-        redo: The compiled step, a `tf.function` of `(batch, attempt)`.
+        step_function: Its `train_step`.
+        retries: The `kmp.scaling._retry.Retries`.
     """
 
-    def __init__(self, model, launch, redo):
-        self._model, self._launch, self._redo = model, launch, redo
-        self._pending = collections.deque()  # (batch, attempt, retry flag)
-        self._settled = False
+    def __init__(self, model, step_function, retries):
+        self._model, self._retries = model, retries
+        no_retry = tf.constant(0, tf.int32)
+        # First: `train_function_graph` (benchmarks.xla_step) reads the
+        # nearest `tf.function` as the one `fit` runs per call.
+        self._steady = make_function(
+            model, step_function, step_on_data=lambda data: self._step(data, no_retry))
+        self._step = _step_on_data(model, step_function, retries=True)
+        self._first = self._again = None
 
     def __call__(self, iterator):
-        logs, batch = self._launch(iterator)
-        checked = len(self._pending)
-        logs = self._queue(batch, 1, logs)
-        if not self._settled:
-            logs = self._redo_pending(logs, None)
-            iterations = self._model.optimizer.iterations
-            self._settled = bool(keras.ops.convert_to_numpy(iterations) > 0)
-            return logs
-        return self._redo_pending(logs, checked)
+        if self._retries.budget() == 0:
+            return _retry.without_attempt_logs(self._steady(iterator))
+        first, again = self._attempts(iterator)
+        logs = None
+        for _ in range(self._model.steps_per_execution):
+            batch = []
 
-    def finish_epoch(self):
-        """Redoes every batch still pending that asks for it; returns the
-        logs of the last step redone, or `None` where none was."""
-        if not self._pending:
-            return None
-        return self._redo_pending(None, None)
+            def attempt(retries_left):
+                retries_left = tf.constant(retries_left, tf.int32)
+                if batch:
+                    return again(batch[0], retries_left)
+                try:
+                    logs, data = first(iterator, retries_left)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    batch.append(None)
+                    raise
+                batch.append(data)
+                return logs
 
-    def _queue(self, batch, attempt, logs):
-        logs = dict(logs)
-        self._pending.append((batch, attempt, logs.pop(RETRY_LOG)))
+            try:
+                logs = self._retries.run(attempt, attempt)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if logs is None:
+                    raise
+                break
         return logs
 
-    def _redo_pending(self, logs, count):
-        """Checks the `count` oldest pending steps (all, and the redos they
-        lead to, where `None`) and redoes those that ask for it."""
-        while self._pending and (count is None or count > 0):
-            batch, attempt, retry = self._pending.popleft()
-            if count is not None:
-                count -= 1
-            if bool(retry):
-                logs = self._queue(batch, attempt + 1, self._redo(batch, tf.constant(attempt)))
-        return logs
+    def _attempts(self, iterator):
+        """`(first, again)`: the batch's first attempt, which takes it from
+        the iterator and returns it with its logs, and the same batch again.
+
+        Both call the one step function with the batch as the iterator's
+        own element spec gives it (its batch dimension unknown), as the
+        steady path does, so that it is traced, and compiled by XLA, once.
+        """
+        if self._first is not None:
+            return self._first, self._again
+        step = self._step
+
+        def first(iterator, retries_left):
+            data = next(iterator) if self._model.run_eagerly else iterator.get_next()
+            return step(data, retries_left), data
+
+        if self._model.run_eagerly or not isinstance(iterator, tf.data.Iterator):
+            # A distributed iterator's batch is taken on the host (its
+            # per-replica values do not leave a function).
+            self._first = lambda iterator, retries_left: (
+                lambda data: (step(data, retries_left), data))(next(iterator))
+            self._again = step
+        else:
+            self._first = tf.function(first, reduce_retracing=True)
+            self._again = tf.function(step, input_signature=(
+                iterator.element_spec, tf.TensorSpec((), tf.int32)))
+        return self._first, self._again
 
 
 def symbolic_build(model, iterator):

@@ -19,6 +19,14 @@ def map_gradient(fn, gradient):
     return fn(gradient)
 
 
-def values(gradient):
-    """The tensor of values: the dense gradient, or a sparse one's `.values`."""
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+def map_gradients(fn, gradients, keep=None):
+    """`map_gradient(fn, g)` for each of `gradients`, but those whose `keep`
+    is true, left as they are."""
+    keep = keep or [False] * len(gradients)
+    return [g if skip else map_gradient(fn, g) for g, skip in zip(gradients, keep)]
+
+
+def values_of(gradients):
+    """The tensors of values: a dense gradient itself, a sparse one's
+    `.values` (`None` stays `None`)."""
+    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in gradients]

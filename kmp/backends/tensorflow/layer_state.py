@@ -48,13 +48,22 @@ class ForwardState:
         self._candidates = [
             v for v in model.non_trainable_variables if id(v) not in metrics
         ]
-        self._graph = _keras_internals.default_graph()
+        # Run eagerly (`run_eagerly=True`) no graph records the pass: each
+        # candidate is read now and put back, on the host, where the step
+        # does not count.
+        self._eager = tf.executing_eagerly()
+        self._graph = None if self._eager else _keras_internals.default_graph()
         self._before = [tf.identity(v.value) for v in self._candidates]
-        self._mark = len(self._graph.get_operations())
+        self._mark = 0 if self._eager else len(self._graph.get_operations())
 
     def restore_unless(self, finite):
         """Puts back, where `finite` is false, the candidates the ops made
-        since this object was made wrote."""
+        since this object was made wrote (eagerly: every candidate)."""
+        if self._eager:
+            if not bool(finite):
+                for variable, before in zip(self._candidates, self._before):
+                    variable.assign(before)
+            return
         written = _written_handles(self._graph.get_operations()[self._mark:])
         for variable, before in zip(self._candidates, self._before):
             if id(variable.value.handle) in written:

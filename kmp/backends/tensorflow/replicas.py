@@ -177,9 +177,7 @@ def clip_summed(grads, clip):
     if replicas == 1:
         return grads
     clipped = clip(all_reduce_sum(grads))
-    return [
-        _gradients.map_gradient(lambda t: t / ops.cast(replicas, t.dtype), g) for g in clipped
-    ]
+    return _gradients.map_gradients(lambda t: t / ops.cast(replicas, t.dtype), clipped)
 
 
 def summable(grads):
@@ -190,7 +188,7 @@ def summable(grads):
     ones): with several replicas such gradients are handed over in float32
     (each Keras update step casts its gradient to its variable's dtype).
     """
-    dtypes = {_gradients.values(g).dtype for g in grads if g is not None}
+    dtypes = {g.dtype for g in _gradients.values_of(grads) if g is not None}
     if len(dtypes) < 2 or num_replicas() == 1:
         return grads
-    return [_gradients.map_gradient(lambda t: ops.cast(t, "float32"), g) for g in grads]
+    return _gradients.map_gradients(lambda t: ops.cast(t, "float32"), grads)

@@ -62,51 +62,21 @@ def check_buildable(optimizer):
     return None
 
 
-def apply(optimizer, grads, variables, *, divide, loss, request):
+def apply(optimizer, grads, variables, *, divide, loss, retries_left):
     """`LossScaleOptimizer.apply` on TensorFlow (see `_step`).
 
     Returns:
         The `kmp.scaling._handoff.StepAnswer`.
     """
-    retries_left = request.retries_left if request else None
-    defer = bool(request and request.defer)
-    finite, retry, deferred = replicas_module.run_step(
+    finite, retry = replicas_module.run_step(
         lambda replicas, *args: _step(optimizer, replicas, *args, divide=divide,
-                                      retries_left=retries_left, defer=defer),
+                                      retries_left=retries_left),
         grads, variables, loss,
     )
-    return _handoff.StepAnswer(finite, retry, loss, deferred)
+    return _handoff.StepAnswer(finite, retry, loss)
 
 
-class DeferredApply:
-    """A step's update, checked and decided but not applied yet.
-
-    Under XLA kmp.Model's retry loop (`kmp.backends.tensorflow.trainer`)
-    asks the scaler to defer: each attempt then checks its gradients,
-    decides and moves the scale, and leaves its gradients here; the step
-    applies the last attempt's once, after the loop. The loop so carries
-    gradients (temporaries of every step) instead of the variables: XLA
-    gives a loop's and a conditional's outputs buffers of their own, and a
-    loop or branch that may write the variables copies them, on every step.
-
-    Attributes:
-        grads: List of this replica's gradients, as `apply` received them
-            (scaled, unless `min_scale < 1` unscaled them for the check).
-        scale: Float32 scalar: the scale they carry.
-    """
-
-    def __init__(self, grads, scale, apply):
-        self.grads, self.scale, self._apply = grads, scale, apply
-
-    def apply_if(self, finite, grads, scale):
-        """Applies `grads` (carrying `scale`) where `finite`: unscaled,
-        clipped and applied by the inner optimizer, as `_step` applies, with
-        the skip a select where it can be (`_apply_if`): it runs under XLA
-        only."""
-        self._apply(list(grads), scale, finite)
-
-
-def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, defer):
+def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     """One step (or one micro-batch of an accumulated step).
 
     ```
@@ -151,11 +121,10 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             the unscaled loss (`None` when unknown).
         divide: Bool. Whether the gradients are scaled and must be divided.
         retries_left: Int tensor, or `None`: the retries this batch has left.
-        defer: Bool. Leave the apply to the caller (a `DeferredApply`).
 
     Returns:
-        `(finite, retry, deferred)`: boolean tensors (`retry` is `None`
-        without retries), and the `DeferredApply` where `defer`, else `None`.
+        `(applied, retry)`: boolean tensors (`retry` is `None` without
+        retries).
     """
     inner = optimizer.inner_optimizer
     window = _scaling_step.accumulation_steps(optimizer)
@@ -228,38 +197,22 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
     # single micro-batch holds.
     clip_summed = not window and _clips(inner)
 
-    def apply_unscaled(grads, variables, scale=None):
+    def apply_unscaled(grads, variables):
         if divide_later:
-            grads = _scaling_step.unscale(optimizer, grads, variables, scale)
+            grads = _scaling_step.unscale(optimizer, grads, variables, optimizer._kmp_scale.value)
         grads = replicas_module.summable(grads)  # before clipping: Keras' global
         if clip_summed:                           # norm refuses mixed dtypes
             grads = _clip_summed(inner, grads, variables)
         inner.apply(grads, variables)
 
-    if defer and not window:
-        # The train step applies once, after its retry loop (see
-        # `DeferredApply`): the scale these gradients carry is kept for it.
-        scale = snapshot(optimizer._kmp_scale.value)
-        deferred = DeferredApply(
-            list(grads), scale,
-            lambda grads, scale, finite: replicas.run(
-                lambda grads, variables: _apply_if(
-                    finite, lambda: apply_unscaled(grads, variables, scale), inner, variables, grads
-                ),
-                grads, variables,
-            ),
-        )
-        _scaling_step.assign_state(optimizer, decision, variables)
-        return applied, decision.retry, deferred
-
     if select and not window:
         _apply_if(applied, lambda: apply_unscaled(grads, variables), inner, variables, grads)
-        _scaling_step.assign_state(optimizer, decision, variables)
-        return applied, decision.retry, None
+        _scaling_step.assign_state(optimizer, decision)
+        return applied, decision.retry
     if select and window:
         _window_step_by_selects(optimizer, decision, boundary, local[0],
                                 lambda: apply_unscaled(grads, variables), variables, grads, window)
-        return decision.finite, decision.retry, None
+        return decision.finite, decision.retry
 
     def skip():
         if window:  # only reached on a window's last micro-batch: back to its start
@@ -268,8 +221,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
 
     ops.cond(applied, lambda: replicas.run(apply_unscaled, grads, variables), skip)
     if not window:
-        _scaling_step.assign_state(optimizer, decision, variables)
-        return applied, decision.retry, None
+        _scaling_step.assign_state(optimizer, decision)
+        return applied, decision.retry
     discard = ops.logical_not(decision.finite)
     # A discarded window, and a micro-batch with an overflow (now or earlier)
     # mid-window (the window is lost anyway): no inf or NaN stays in the
@@ -286,11 +239,11 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
     )
 
     def end_window():
-        _scaling_step.assign_state(optimizer, decision, variables)
+        _scaling_step.assign_state(optimizer, decision)
         optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
 
     ops.cond(boundary, end_window, lambda: None)
-    return decision.finite, decision.retry, None
+    return decision.finite, decision.retry
 
 
 def _window_step_by_selects(optimizer, decision, boundary, local_finite, apply, variables,
@@ -316,7 +269,7 @@ def _window_step_by_selects(optimizer, decision, boundary, local_finite, apply, 
     )
 
     def end_window():
-        _scaling_step.assign_state(optimizer, decision, variables)
+        _scaling_step.assign_state(optimizer, decision)
         optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
 
     own = [v for v in optimizer.variables if not any(v is w for w in inner.variables)]
@@ -388,8 +341,8 @@ def _clip_summed(inner, grads, variables):
     """`grads` whose sum over replicas is the clipped sum (see
     `replicas.clip_summed`); variables Keras overwrites with their
     "gradient" are left as they are, as Keras leaves them out of clipping."""
-    clipped = [i for i, v in enumerate(variables)
-               if not _keras_internals.overwrites_with_gradient(inner, v)]
+    overwritten = _keras_internals.overwritten_with_gradient(inner, variables)
+    clipped = [i for i, v in enumerate(variables) if not overwritten[i]]
     shares = replicas_module.clip_summed(
         [grads[i] for i in clipped], lambda total: _keras_internals.clip_gradients(inner, total)
     )

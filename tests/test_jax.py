@@ -184,11 +184,23 @@ def test_steps_per_execution_and_eager_steps_count_as_the_jitted_step():
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_overflow_retries_other_than_auto_or_0_are_a_clear_error_on_jax():
-    model = _mlp()
-    with pytest.raises(ValueError, match=r"JAX backend.*overflow_retries='auto' or 0.*Received: overflow_retries=2"):
-        model.compile("sgd", "mse", overflow_retries=2)
-    model.compile("sgd", "mse", overflow_retries=0)  # accepted: nothing to redo
+def test_overflow_retries_redo_a_batch_on_jax_as_on_tensorflow():
+    # Before, an int was refused on JAX: kmp's train function now redoes a
+    # batch on the host there too (kmp/scaling/_retry.py).
+    kmp.set_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = (300.0 + rng.normal(size=(32, 1))).astype("float32")  # overflows at 2**15
+    results = {}
+    for retries in (2, 0):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(keras.optimizers.SGD(1e-4), "mse", overflow_retries=retries)
+        results[retries] = model.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    assert results[2]["retried_steps"][0] > 0 and "retried_steps" not in results[0]
+    # Two retries a batch lose fewer batches than none.
+    assert results[2]["skipped_steps"][0] < results[0]["skipped_steps"][0]
 
 
 def test_float32_layers_and_exact_token_ids_are_settled_on_jax():

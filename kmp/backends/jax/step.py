@@ -101,6 +101,10 @@ def apply(optimizer, grads, trainable_variables, *, divide, loss, retries_left):
     for grad, variable in zip(grads, trainable_variables):
         all_grads[positions[id(variable)]] = grad
     if not any(isinstance(g, jax.core.Tracer) for g in all_grads):
+        if isinstance(loss, jax.core.Tracer):
+            # Recorded by `scale_loss` inside `jax.grad`: a value of that
+            # transformation, which ended; the gradients here are concrete.
+            loss = None
         finite, retry = _apply_eagerly(
             optimizer, all_grads, built, trainable_variables, divide, loss, retries_left)
         return _handoff.StepAnswer(finite, retry, loss)

@@ -199,8 +199,9 @@ def scaler_logs(model, applied, retrying=False, loss=None):
     for optimizer in scalers:
         prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
         if optimizer.scaling:  # a scale fixed at 1 (the guard alone) says nothing
-            # The variable's value after the step (built: it has applied).
-            logs[prefix + "loss_scale"] = ops.convert_to_tensor(optimizer._kmp_scale.value)
+            # The variable's value after the step, never the variable: Keras'
+            # eager multi-step loop carries the logs in a tf.data Optional.
+            logs[prefix + "loss_scale"] = optimizer.loss_scale
         counters = optimizer.counters  # one read of the counter vector
         logs[prefix + "skipped_steps"] = counters["skipped_steps"]
         if retrying:

@@ -26,6 +26,7 @@ import collections
 import keras
 from keras import ops
 
+from kmp.scaling import _gate
 from kmp.scaling import _gradients
 from kmp.scaling import _handoff
 from kmp import _keras_internals
@@ -375,22 +376,19 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     inner_ids = {id(v) for v in inner.variables}
     inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
 
-    def apply():
-        # Unscaled in the branch that applies: XLA fuses the division into
-        # the update. Non-finite gradients never get here.
-        unscaled = unscale(optimizer, grads, built, scale) if divide else grads
-        return inner.stateless_apply(inner_values, unscaled, list(trainable_variables))
-
-    def skip():
-        return list(trainable_variables), inner_values
-
+    unscaled = unscale(optimizer, grads, built, scale) if divide else grads
     if backends.get("step").traced(applied):
-        new_trainable, new_inner = ops.cond(applied, apply, skip)
-    else:
+        # The skip inside each write (`kmp.scaling._gate`): no conditional,
+        # and no copy of a slot beside its update.
+        new_trainable, new_inner = _gate.gated_stateless_apply(
+            inner, applied, inner_values, unscaled, list(trainable_variables))
+    elif bool(applied):
         # Run eagerly (JAX without jit): decided on the host, so the update
-        # runs op by op as Keras' own eager step runs it, not as a branch
-        # XLA compiles (whose fused arithmetic rounds otherwise).
-        new_trainable, new_inner = apply() if bool(applied) else skip()
+        # runs op by op as Keras' own eager step runs it.
+        new_trainable, new_inner = inner.stateless_apply(
+            inner_values, unscaled, list(trainable_variables))
+    else:
+        new_trainable, new_inner = list(trainable_variables), inner_values
     own = state_after(optimizer, scale, counters, decision, flags_before, spike_state)
     new_trainable = list(new_trainable)
     position = {id(v): i for i, v in enumerate(built)}

@@ -7,9 +7,11 @@ The same names as `kmp/backends/jax/step.py`: `apply` (the scaler's
 unscaling, the next scale and counters) is `kmp.scaling._step`'s.
 """
 
+import keras
 import tensorflow as tf
 from keras import ops
 
+from kmp.scaling import _gate
 from kmp.scaling import _handoff
 from kmp import _keras_internals
 from kmp.scaling import _rule as _scaling_rule
@@ -206,7 +208,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         inner.apply(grads, variables)
 
     if select and not window:
-        _apply_if(applied, lambda: apply_unscaled(grads, variables), inner, variables, grads)
+        _apply_if(applied, lambda: apply_unscaled(grads, variables), inner, variables, grads,
+                  gate=True)
         _scaling_step.assign_state(optimizer, decision)
         return applied, decision.retry
     if select and window:
@@ -276,17 +279,19 @@ def _window_step_by_selects(optimizer, decision, boundary, local_finite, apply, 
     _keep_where(boundary, end_window, list(variables) + own)
 
 
-def _apply_if(finite, apply, inner, variables, grads):
+def _apply_if(finite, apply, inner, variables, grads, gate=False):
     """Under XLA: `apply()` where `finite`, as a select (`_apply_or_keep`)
     or, where a gradient is sparse and no strategy is in use, as a `cond`
-    (see there why)."""
-    if tf.distribute.has_strategy() or not any(isinstance(g, tf.IndexedSlices) for g in grads):
-        _apply_or_keep(finite, apply, inner, variables)
+    (see there why). `gate`: the inner optimizer's own writes are gated
+    (`_gated_writes`), outside a strategy."""
+    strategy = tf.distribute.has_strategy()
+    if strategy or not any(isinstance(g, tf.IndexedSlices) for g in grads):
+        _apply_or_keep(finite, apply, inner, variables, gate=gate and not strategy)
     else:
         ops.cond(finite, apply, lambda: None)
 
 
-def _apply_or_keep(finite, apply, inner, variables):
+def _apply_or_keep(finite, apply, inner, variables, gate=False):
     """Runs `apply()` (the inner optimizer's update of `variables`), then
     keeps each value it wrote only where `finite`: the skip as a select.
 
@@ -296,6 +301,14 @@ def _apply_or_keep(finite, apply, inner, variables):
     for v, old in zip(variables + inner.variables, before):
         v = where(finite, v, old)            # a skipped step changes nothing
     ```
+
+    With `gate`, each write the inner optimizer makes through its own
+    `assign`, `assign_add` and `assign_sub` (how Keras' optimizers write
+    their slots and variables) is a select instead, `assign_add(v,
+    where(finite, delta, 0))`, and a variable written only that way needs no
+    select after: XLA fuses each into the update that computes it, where
+    the select after keeps the old value alive next to the new one and XLA
+    copies each slot to do so (`_gated_writes`).
 
     Under XLA, where kmp uses it, this is the shape of Keras' own step:
     each select fuses into the update that feeds it, and the step has no
@@ -318,18 +331,70 @@ def _apply_or_keep(finite, apply, inner, variables):
         apply: Callable of no arguments that updates `variables`.
         inner: The inner Keras optimizer (its slots, iterations, ...).
         variables: The variables `apply` updates.
+        gate: Bool. Whether to gate `inner`'s own writes.
     """
-    _keep_where(finite, apply, list(variables) + list(inner.variables))
+    _keep_where(finite, apply, list(variables) + list(inner.variables),
+                gate=inner if gate else None)
 
 
-def _keep_where(keep, run, guarded):
+def _keep_where(keep, run, guarded, gate=None):
     """Runs `run()`, then keeps what it wrote to the `guarded` variables only
     where `keep` (a select per variable; one `run` did not write reads back
-    as it was, and XLA drops that select)."""
+    as it was, and XLA drops that select). Given an optimizer, `gate`, the
+    writes it makes through its own methods are gated instead, and the
+    variables written only so are left as `run` wrote them."""
     before = [snapshot(v.value) for v in guarded]
-    run()
+    gated = set() if gate is None else _gated_writes(gate, keep, run)
+    if gate is None:
+        run()
     for variable, value in zip(guarded, before):
-        variable.assign(ops.where(keep, variable.value, value))
+        if id(variable.value) not in gated:
+            variable.assign(ops.where(keep, variable.value, value))
+
+
+# Ops that take a variable's handle and only read it. Any other op that takes
+# one (an assign or scatter outside the gate, a `cond`, `while` or call whose
+# body may write) counts as writing it.
+_READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "VariableShape",
+                    "ResourceGather", "ResourceGatherNd"})
+_GATED = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
+
+
+def _gated_writes(optimizer, keep, run):
+    """Runs `run()` with `optimizer`'s own writes gated by `keep`
+    (`kmp.scaling._gate`); returns the `id`s of the `tf.Variable`s every
+    write of which in `run` was gated.
+
+    Each gated write runs in a name scope of its own; then every op `run`
+    added to the graph that takes a variable's handle and is not a read is
+    either a gated write (an assign in such a scope) or another write, which
+    leaves that variable to the select after, whatever the gate wrote. A
+    scatter (a sparse value) is written as given and selected after.
+    """
+    graph = _keras_internals.default_graph()
+    scopes = {}  # name scope -> id of the tf.Variable written in it
+
+    def around(variable, value, gated, plain):
+        if isinstance(value, tf.IndexedSlices):
+            return plain()
+        with tf.name_scope("kmp_gated_write") as scope:
+            scopes[scope] = id(variable.value if isinstance(variable, keras.Variable) else variable)
+            return gated()
+
+    start = len(graph.get_operations())
+    with _gate.gated_writes(optimizer, keep, around):
+        run()
+    gated_handles, written = {}, set()
+    for op in graph.get_operations()[start:]:
+        handles = [t.ref() for t in op.inputs if t.dtype == tf.resource]
+        if not handles or op.type in _READS:
+            continue
+        scope = next((s for s in scopes if op.name.startswith(s)), None)
+        if scope is not None and op.type in _GATED:
+            gated_handles[handles[0]] = scopes[scope]
+        else:
+            written.update(handles)
+    return {variable for handle, variable in gated_handles.items() if handle not in written}
 
 
 def _clips(optimizer):

@@ -36,6 +36,13 @@ def _regression(rows=64, seed=0):
     return x, x.sum(axis=1, keepdims=True).astype("float32")
 
 
+def _with_a_nan_record():
+    """The issue's data: 64 rows, row 37 (in the third batch of 16) NaN."""
+    x, y = _regression()
+    x[37] = np.nan
+    return x, y
+
+
 def _mlp(policy, model_class=None, batch_norm=False):
     keras.utils.set_random_seed(0)
     with kmp.policy_scope(policy):
@@ -70,8 +77,7 @@ def _assert_same_training(model, reference):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_nan_record_under_bfloat16_is_skipped_counted_and_changes_nothing(mode):
     # The issue's setup: one row of the inputs NaN (row 37: the third batch).
-    x, y = _regression()
-    x[37] = np.nan
+    x, y = _with_a_nan_record()
     model = _mlp("mixed_bfloat16")
     history = _fit(model, x, y, mode)
     assert history.history["skipped_steps"] == [1, 2]
@@ -117,8 +123,7 @@ def test_every_optimizer_skips_exactly_under_xla_however_it_writes(optimizer):
     # Under XLA kmp gates the writes an optimizer makes through its own
     # `assign` methods and selects the rest: weights, slots, EMA averages
     # and `iterations` end as in a run that never saw the NaN batch.
-    x, y = _regression()
-    x[37] = np.nan
+    x, y = _with_a_nan_record()
     model, clean = _mlp("mixed_bfloat16"), _mlp("mixed_bfloat16")
     keep = np.r_[0:32, 48:64]
     for net, rows in ((model, slice(None)), (clean, keep)):
@@ -156,8 +161,7 @@ def test_without_a_bad_record_the_guard_changes_nothing(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_float32_keeps_keras_step_unless_compile_asks_for_the_guard(mode):
-    x, y = _regression()
-    x[37] = np.nan
+    x, y = _with_a_nan_record()
     plain = _mlp("float32")
     history = _fit(plain, x, y, mode)
     assert isinstance(plain.optimizer, keras.optimizers.Adam)
@@ -188,8 +192,7 @@ def test_a_skipped_forward_pass_leaves_batch_norm_statistics_as_they_were(mode):
 
 
 def test_several_steps_per_execution_skip_the_same_step():
-    x, y = _regression()
-    x[37] = np.nan
+    x, y = _with_a_nan_record()
     model = _mlp("mixed_bfloat16")
     history = _fit(model, x, y, "xla", steps_per_execution=2)
     assert history.history["skipped_steps"] == [1, 2]
@@ -201,8 +204,7 @@ def test_several_steps_per_execution_skip_the_same_step():
 
 
 def test_the_monitor_reports_a_skip_under_bfloat16_without_a_loss_scale(tmp_path, capsys):
-    x, y = _regression()
-    x[37] = np.nan
+    x, y = _with_a_nan_record()
     model = _mlp("mixed_bfloat16")
     monitor = kmp.callbacks.LossScaleMonitor(csv_path=tmp_path / "steps.csv")
     _fit(model, x, y, "xla", epochs=1, callbacks=[monitor])
@@ -369,8 +371,7 @@ class OwnStep(kmp.Model):
 
 @_tensorflow_only
 def test_a_custom_train_step_is_guarded_under_bfloat16_without_a_line():
-    x, y = _regression()
-    x[37] = np.nan
+    x, y = _with_a_nan_record()
     model = _mlp("mixed_bfloat16", model_class=OwnStep)
     history = _fit(model, x, y, "graph")
     assert history.history["skipped_steps"] == [1, 2]
@@ -385,8 +386,7 @@ def test_a_custom_train_step_is_guarded_under_bfloat16_without_a_line():
 def test_a_gradient_tape_loop_is_guarded_by_the_scaler_it_wraps_in():
     import tensorflow as tf
 
-    x, y = _regression()
-    x[37] = np.nan
+    x, y = _with_a_nan_record()
     results = []
     for rows in (slice(None), np.r_[0:32, 48:64]):
         model = _mlp("mixed_bfloat16", model_class=keras.Model)

@@ -404,3 +404,36 @@ def test_mirrored_strategys_all_gpu_path_under_xla_trains_and_skips_once():
     assert int(model.optimizer.iterations.numpy()) == 3
     assert float(model.optimizer.loss_scale.numpy()) == 2.0**14
     assert np.isfinite(history["loss"][0])
+
+
+def test_the_guards_decision_is_one_scalar_however_many_variables_it_checks():
+    """With many variables (here 50) the step's decision reaches each gated
+    write as one computed scalar: XLA copied the chain of per-gradient flags,
+    and every gradient's sum as an operand, into each write's kernel (~50
+    operands in each of ~150 kernels), so the optimized program grows with
+    the square of the variables where Keras' grows with their number."""
+    def build(model_class):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        x = inputs
+        for _ in range(25):
+            x = keras.layers.Dense(8, activation="relu")(x)
+        return model_class(inputs, x)
+
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        keras_model = build(keras.Model)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    with kmp.policy_scope("mixed_bfloat16"):
+        model = build(kmp.Model)
+    x = np.ones((16, 8), "float32")
+    for net in (keras_model, model):
+        net.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
+        net.fit(x, x, batch_size=16, epochs=1, verbose=0)
+    assert len(model.trainable_variables) == 50
+    data = (tf.constant(x), tf.constant(x))
+    operands = {name: _optimized_hlo(net, data).count(" parameter(")
+                for name, net in (("keras", keras_model), ("kmp", model))}
+    assert operands["kmp"] <= 2 * operands["keras"], operands

@@ -222,6 +222,7 @@ SLOW = (
     "test_guard.py::test_replicas_skip_together_under_mirrored_strategy",
     "test_guard.py::test_several_steps_per_execution_skip_the_same_step",
     "test_guard.py::test_without_a_bad_record_the_guard_changes_nothing",
+    "test_guard.py::test_every_optimizer_skips_exactly_under_xla_however_it_writes",
     # The differential harness's whole table (the fast rows stay in the fast tier).
     "test_modes.py::test_every_mode_applies_what_the_reference_applies_in_the_whole_table",
     "test_keras_trainer.py::test_fit_with_data_adapter",

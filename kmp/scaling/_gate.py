@@ -27,13 +27,13 @@ from kmp import _keras_internals
 # skipped what leaves the variable as it is (either may be a `keras.Variable`:
 # SGD's `assign_add(variable, m)`).
 WRITES = {
-    "assign": lambda keep, variable, value: ops.where(keep, _value(value), _value(variable)),
-    "assign_add": lambda keep, variable, value: ops.where(keep, _value(value), 0),
-    "assign_sub": lambda keep, variable, value: ops.where(keep, _value(value), 0),
+    "assign": lambda keep, variable, value: ops.where(keep, value_of(value), value_of(variable)),
+    "assign_add": lambda keep, variable, value: ops.where(keep, value_of(value), 0),
+    "assign_sub": lambda keep, variable, value: ops.where(keep, value_of(value), 0),
 }
 
 
-def _value(x):
+def value_of(x):
     """A variable's value (within a `keras.StatelessScope`, the scope's)."""
     return x.value if isinstance(x, keras.Variable) else x
 

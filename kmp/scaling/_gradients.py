@@ -58,6 +58,10 @@ def nonfinite_indicator(flags, indices, size):
     return ops.stack(indicator) if indicator else ops.zeros((0,), COUNTER_DTYPE)
 
 
+# From this many flags `all_true` sorts them (see there).
+_SORTED_FROM = 32
+
+
 def all_true(flags):
     """Whether every flag that is not `None` is true (true for none at all).
 
@@ -77,8 +81,6 @@ def all_true(flags):
         return ops.all(ops.stack(flags))
     return ops.sort(ops.cast(ops.stack(flags), "int32"))[0] > 0
 
-
-_SORTED_FROM = 32
 
 
 def all_finite(gradients):

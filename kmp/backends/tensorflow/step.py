@@ -7,7 +7,6 @@ The same names as `kmp/backends/jax/step.py`: `apply` (the scaler's
 unscaling, the next scale and counters) is `kmp.scaling._step`'s.
 """
 
-import keras
 import tensorflow as tf
 from keras import ops
 
@@ -344,9 +343,11 @@ def _keep_where(keep, run, guarded, gate=None):
     writes it makes through its own methods are gated instead, and the
     variables written only so are left as `run` wrote them."""
     before = [snapshot(v.value) for v in guarded]
-    gated = set() if gate is None else _gated_writes(gate, keep, run)
     if gate is None:
         run()
+        gated = set()
+    else:
+        gated = _gated_writes(gate, keep, run)
     for variable, value in zip(guarded, before):
         if id(variable.value) not in gated:
             variable.assign(ops.where(keep, variable.value, value))
@@ -378,7 +379,7 @@ def _gated_writes(optimizer, keep, run):
         if isinstance(value, tf.IndexedSlices):
             return plain()
         with tf.name_scope("kmp_gated_write") as scope:
-            scopes[scope] = id(variable.value if isinstance(variable, keras.Variable) else variable)
+            scopes[scope] = id(_gate.value_of(variable))
             return gated()
 
     start = len(graph.get_operations())

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import kmp
 from _helpers import assert_close_to_float16_rounding
+from kmp.scaling import _gate
 from kmp.scaling import _spikes
 
 BACKEND = keras.backend.backend()
@@ -107,6 +108,14 @@ class WritesDirectly(keras.optimizers.SGD):
         variable.assign_sub(ops.cast(learning_rate, variable.dtype) * gradient)
 
 
+class AddsItsOwnWay(keras.optimizers.Adam):
+    """Overrides `assign_add` (as one that logs or shards its writes might):
+    the gate gives the override `where(keep, delta, 0)`."""
+
+    def assign_add(self, variable, value):
+        super().assign_add(variable, value)
+
+
 OPTIMIZERS = {
     "Adam": lambda: keras.optimizers.Adam(1e-2),
     "AdamW": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
@@ -115,7 +124,36 @@ OPTIMIZERS = {
     "RMSprop centered": lambda: keras.optimizers.RMSprop(1e-2, centered=True),
     "Lion": lambda: keras.optimizers.Lion(1e-3),
     "writes directly": lambda: WritesDirectly(1e-2),
+    "overrides assign_add": lambda: AddsItsOwnWay(1e-2),
 }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["assign", "assign_add", "assign_sub"])
+def test_a_gated_write_writes_what_keras_own_would_or_nothing(name, dtype):
+    # A kept step writes the bits Keras' own method writes (a bfloat16
+    # variable given a float32 delta included: TensorFlow's optimizer casts
+    # the delta first, `keras.Variable.assign_add` adds in float32), a
+    # skipped one leaves the variable as it was.
+    rng = np.random.default_rng(0)
+    start = rng.normal(size=(512,)).astype("float32")
+    delta = (rng.normal(size=(512,)) * 1e-2).astype("float32")
+
+    def written(keep=None):
+        optimizer, variable = keras.optimizers.SGD(), keras.Variable(start, dtype=dtype)
+        write = lambda: getattr(optimizer, name)(variable, delta)
+        if keep is None:
+            write()
+        else:
+            with _gate.gated_writes(optimizer, ops.convert_to_tensor(keep),
+                                    lambda variable, value, gated, plain: gated()):
+                write()
+        return np.asarray(ops.cast(variable.value, "float32"))
+
+    np.testing.assert_array_equal(written(True), written())
+    as_stored = np.asarray(ops.cast(ops.cast(start, dtype), "float32"))
+    np.testing.assert_array_equal(written(False), as_stored)
+    assert not np.array_equal(written(True), as_stored)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

@@ -2,12 +2,17 @@
 makes through its own `assign`, `assign_add` and `assign_sub`.
 
 Keras' optimizers write their slots and variables through those three
-methods (`self.assign_add(m, (g - m) * (1 - beta_1))`). Called with
-`where(keep, delta, 0)` (or `where(keep, value, variable)`), each write
-changes nothing on a skipped step, and XLA fuses the select into the update
-that computes it. A select after the update instead (`v = where(keep, v,
-old)`) keeps the old value alive beside the new one, and XLA copies each
-slot to hold it.
+methods (`self.assign_add(m, (g - m) * (1 - beta_1))`). Each becomes
+`assign(v, where(keep, new, v))`, `new` computed as Keras' own method
+computes it (`v + delta`), so a kept step writes the same bits as without
+the gate and a skipped one changes nothing; XLA fuses the select into the
+update that computes it. A select after the update instead (`v = where(keep,
+v, old)`) keeps the old value alive beside the new one, and XLA copies each
+slot to hold it. (`assign_add(v, where(keep, delta, 0))` also skips exactly,
+but under XLA a kept step can differ from the ungated one in the last bit:
+the select between the product and the sum changes what XLA fuses; TensorFlow
+2.20 did so for Adam. It is what an optimizer that overrides `assign_add` or
+`assign_sub` gets, as kmp cannot know how its override adds.)
 
 A write made another way (AdamW's weight decay, an EMA's overwrite, a
 subclass that calls `variable.assign`) escapes the gate: each backend finds
@@ -23,14 +28,28 @@ from keras import ops
 
 from kmp import _keras_internals
 
-# What each write is given: `value` where the step is kept, and where it is
-# skipped what leaves the variable as it is (either may be a `keras.Variable`:
-# SGD's `assign_add(variable, m)`).
-WRITES = {
-    "assign": lambda keep, variable, value: ops.where(keep, value_of(value), value_of(variable)),
-    "assign_add": lambda keep, variable, value: ops.where(keep, value_of(value), 0),
-    "assign_sub": lambda keep, variable, value: ops.where(keep, value_of(value), 0),
-}
+WRITES = ("assign", "assign_add", "assign_sub")
+
+
+# What a gated write leaves where the step is kept, computed as Keras' own
+# method computes it: TensorFlow's optimizer casts the value to the
+# variable's dtype and adds in it; `keras.Variable.assign_add` adds with
+# `ops.add`'s promotion and casts the sum. (Either may be given a
+# `keras.Variable`: SGD's `assign_add(variable, m)`.)
+def _kept(name, variable, value):
+    value, current = value_of(value), value_of(variable)
+    if name == "assign":
+        return value
+    if keras.backend.backend() == "tensorflow":
+        value = ops.cast(value, current.dtype)
+    return ops.add(current, value) if name == "assign_add" else ops.subtract(current, value)
+
+
+def _keras_own(optimizer, name):
+    """Whether `optimizer.<name>` is Keras' own method (not one a subclass
+    or the instance overrides)."""
+    method = getattr(optimizer, name)
+    return getattr(method, "__module__", "").startswith("keras.") and name not in vars(optimizer)
 
 
 def value_of(x):
@@ -43,27 +62,38 @@ def gated_writes(optimizer, keep, around):
     """Shadows `optimizer`'s `assign`, `assign_add` and `assign_sub` on the
     instance for the block.
 
-    Each wrapper calls the optimizer's own method (a subclass's override, or
-    one set on the instance, included): `around(variable, value, gated,
-    plain)` decides, where `gated()` writes the value gated by `keep` and
-    `plain()` writes it as given; its return is the write's. The instance
+    Each wrapper calls the optimizer's own methods (a subclass's override,
+    or one set on the instance, included): `around(variable, value, gated,
+    plain)` decides, where `gated()` writes the value gated by `keep` (where
+    all three are Keras' own, every write through `assign`, with the sum
+    Keras' `assign_add` or `assign_sub` would have written) and `plain()`
+    writes it as given; its return is the write's. The instance
     has none of the three of its own after the block (or those it had),
     whether the block returns or raises.
     """
     own = vars(optimizer)
     shadowed = {name: own[name] for name in WRITES if name in own}
+    methods = {name: getattr(optimizer, name) for name in WRITES}
+    # Through Keras' own `assign` where all three are Keras' own.
+    through_assign = all(_keras_own(optimizer, name) for name in WRITES)
 
-    def gate(name, write):
+    def gated_write(name, variable, value):
+        if name == "assign" or through_assign:
+            current = value_of(variable)
+            return methods["assign"](variable, ops.where(keep, _kept(name, variable, value), current))
+        return methods[name](variable, ops.where(keep, value_of(value), 0))
+
+    def gate(name):
         def write_where_kept(variable, value):
             return around(
                 variable, value,
-                lambda: write(variable, WRITES[name](keep, variable, value)),
-                lambda: write(variable, value),
+                lambda: gated_write(name, variable, value),
+                lambda: methods[name](variable, value),
             )
         return write_where_kept
 
     for name in WRITES:
-        setattr(optimizer, name, gate(name, getattr(optimizer, name)))
+        setattr(optimizer, name, gate(name))
     try:
         yield
     finally:

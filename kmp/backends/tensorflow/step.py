@@ -303,8 +303,8 @@ def _apply_or_keep(finite, apply, inner, variables, gate=False):
 
     With `gate`, each write the inner optimizer makes through its own
     `assign`, `assign_add` and `assign_sub` (how Keras' optimizers write
-    their slots and variables) is a select instead, `assign_add(v,
-    where(finite, delta, 0))`, and a variable written only that way needs no
+    their slots and variables) is a select instead, `assign(v, where(finite,
+    v + delta, v))`, and a variable written only that way needs no
     select after: XLA fuses each into the update that computes it, where
     the select after keeps the old value alive next to the new one and XLA
     copies each slot to do so (`_gated_writes`).

@@ -145,8 +145,11 @@ def test_a_gated_write_writes_what_keras_own_would_or_nothing(name, dtype):
         if keep is None:
             write()
         else:
+            # Keras' TensorFlow optimizer casts before adding; on JAX
+            # `keras.Variable.assign_add` adds first.
             with _gate.gated_writes(optimizer, ops.convert_to_tensor(keep),
-                                    lambda variable, value, gated, plain: gated()):
+                                    lambda variable, value, gated, plain: gated(),
+                                    casts_before_adding=BACKEND == "tensorflow"):
                 write()
         return np.asarray(ops.cast(variable.value, "float32"))
 

@@ -33,14 +33,15 @@ WRITES = ("assign", "assign_add", "assign_sub")
 
 # What a gated write leaves where the step is kept, computed as Keras' own
 # method computes it: TensorFlow's optimizer casts the value to the
-# variable's dtype and adds in it; `keras.Variable.assign_add` adds with
-# `ops.add`'s promotion and casts the sum. (Either may be given a
-# `keras.Variable`: SGD's `assign_add(variable, m)`.)
-def _kept(name, variable, value):
+# variable's dtype and adds in it (`casts_before_adding`);
+# `keras.Variable.assign_add`, which a stateless apply reaches, adds with
+# `ops.add`'s promotion and casts the sum. Either may be given a
+# `keras.Variable`: SGD's `assign_add(variable, m)`.
+def _kept(name, variable, value, casts_before_adding):
     value, current = value_of(value), value_of(variable)
     if name == "assign":
         return value
-    if keras.backend.backend() == "tensorflow":
+    if casts_before_adding:
         value = ops.cast(value, current.dtype)
     return ops.add(current, value) if name == "assign_add" else ops.subtract(current, value)
 
@@ -58,7 +59,7 @@ def value_of(x):
 
 
 @contextlib.contextmanager
-def gated_writes(optimizer, keep, around):
+def gated_writes(optimizer, keep, around, *, casts_before_adding):
     """Shadows `optimizer`'s `assign`, `assign_add` and `assign_sub` on the
     instance for the block.
 
@@ -69,7 +70,9 @@ def gated_writes(optimizer, keep, around):
     Keras' `assign_add` or `assign_sub` would have written) and `plain()`
     writes it as given; its return is the write's. The instance
     has none of the three of its own after the block (or those it had),
-    whether the block returns or raises.
+    whether the block returns or raises. `casts_before_adding`: whether the
+    optimizer's `assign_add` casts the value to the variable's dtype before
+    adding (Keras' TensorFlow optimizer) or adds first (`keras.Variable`'s).
     """
     own = vars(optimizer)
     shadowed = {name: own[name] for name in WRITES if name in own}
@@ -79,8 +82,8 @@ def gated_writes(optimizer, keep, around):
 
     def gated_write(name, variable, value):
         if name == "assign" or through_assign:
-            current = value_of(variable)
-            return methods["assign"](variable, ops.where(keep, _kept(name, variable, value), current))
+            kept = _kept(name, variable, value, casts_before_adding)
+            return methods["assign"](variable, ops.where(keep, kept, value_of(variable)))
         return methods[name](variable, ops.where(keep, value_of(value), 0))
 
     def gate(name):
@@ -133,7 +136,8 @@ def gated_stateless_apply(optimizer, keep, optimizer_values, grads, trainable_va
             chain[1] = scope.get_current_value(variable)
             return result
 
-        with gated_writes(optimizer, keep, around):
+        # A stateless apply writes through `keras.Variable.assign_add`.
+        with gated_writes(optimizer, keep, around, casts_before_adding=False):
             optimizer.apply(grads, built)
         after = [scope.get_current_value(v) for v in variables]
     new = []

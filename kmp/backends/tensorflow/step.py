@@ -383,7 +383,9 @@ def _gated_writes(optimizer, keep, run):
             return gated()
 
     start = len(graph.get_operations())
-    with _gate.gated_writes(optimizer, keep, around):
+    # Keras' TensorFlow optimizer casts what its `assign_add` is given to
+    # the variable's dtype, then adds in it.
+    with _gate.gated_writes(optimizer, keep, around, casts_before_adding=True):
         run()
     gated_handles, written = {}, set()
     for op in graph.get_operations()[start:]:

@@ -50,6 +50,8 @@ uses it says more):
 | `Trainer._flatten_metrics_in_order` | `logs_as_list` | `model.py` | `train_on_batch`'s list, made as Keras makes it, from the logs without kmp's scaler entries |
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
 | `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
+| `keras.src.backend.common.variables` (`AutocastScope`, `get_autocast_scope`), `keras.src.backend.common.global_state.set_global_attribute("autocast_scope")` | `autocast` | `precision/_compensated.py` | a bfloat16 variable's update computed in float32 by any Keras optimizer: its `update_step` casts by `variable.dtype`, which Keras' autocast scope makes float32, and reads the variable and its slots as float32 there |
+| `Optimizer._get_variable_index`, `_apply_weight_decay` (shadowed on the instance for one `apply`), `_use_weight_decay` | `shadowed_optimizer_methods`, `uses_weight_decay` | `precision/_compensated.py` | in that scope TensorFlow's optimizer would look a slot up by a cast value, not its `tf.Variable`; the weight decay of a bfloat16 variable computed in float32 and written compensated, as its update is |
 | `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `backends/tensorflow/distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 
 `precision/_token_ids.py` also overrides `DTypePolicy.convert_input` (public) in kmp's
@@ -57,10 +59,15 @@ own `_ExactIdsPolicy`: Keras' autocast of a layer's inputs, so that a layer
 holding an embedding hands float32 ids on unrounded.
 """
 
+import contextlib
+
 import keras
+from keras.src.backend.common.global_state import set_global_attribute
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+from keras.src.backend.common.variables import AutocastScope
+from keras.src.backend.common.variables import get_autocast_scope
 from keras.src.export.export_utils import get_input_signature
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
@@ -319,6 +326,53 @@ def variable_index(optimizer, variable):
     variable's slots; the monitor records which variables overflowed by it.
     """
     return optimizer._get_variable_index(variable)
+
+
+@contextlib.contextmanager
+def autocast(dtype):
+    """For the block, float `keras.Variable`s (those created with
+    `autocast=True`, as layers' and optimizers' are) read as `dtype` and say
+    so (`variable.dtype`); `None`: as stored, whatever scope is around.
+
+    Keras' `AutocastScope` (3.0 on), set and restored through the global
+    attribute Keras keeps it in (`AutocastScope(None)` would make `.dtype`
+    read float32).
+    """
+    previous = get_autocast_scope()
+    set_global_attribute("autocast_scope", None if dtype is None else AutocastScope(dtype))
+    try:
+        yield
+    finally:
+        set_global_attribute("autocast_scope", previous)
+
+
+@contextlib.contextmanager
+def shadowed_optimizer_methods(optimizer, *, variable_index, apply_weight_decay):
+    """For the block, `optimizer._get_variable_index(variable)` and
+    `optimizer._apply_weight_decay(variables)` are the functions given,
+    each called with the optimizer's own as its first argument; the instance
+    has what it had before after the block, whether it returns or raises.
+    """
+    methods = {"_get_variable_index": variable_index, "_apply_weight_decay": apply_weight_decay}
+    own = vars(optimizer)
+    shadowed = {name: own[name] for name in methods if name in own}
+    originals = {name: getattr(optimizer, name) for name in methods}
+    for name, method in methods.items():
+        setattr(optimizer, name, lambda *args, _m=method, _o=originals[name]: _m(_o, *args))
+    try:
+        yield
+    finally:
+        for name in methods:
+            if name in shadowed:
+                setattr(optimizer, name, shadowed[name])
+            else:
+                delattr(optimizer, name)
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether `optimizer` decays `variable` (`Optimizer._use_weight_decay`,
+    Keras 3.0 on: its `exclude_from_weight_decay` rules)."""
+    return optimizer._use_weight_decay(variable)
 
 
 def overwritten_with_gradient(optimizer, variables):

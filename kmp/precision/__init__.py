@@ -24,6 +24,9 @@ they and `kmp.Model` share:
 - `_float8_training.py`: a model's float8 layers, and the warning where
   `fit` would run them without `training=True` (read by `kmp.float8.enable`
   and `kmp.Model`).
+- `_compensated.py`: any Keras optimizer's update of a bfloat16 variable
+  computed in float32 and written with Kahan compensation (not yet used by
+  `compile`; docs/design.md, "bfloat16 weights").
 - `_float8_matmul.py`: the float8 matmul `kmp doctor` times, and which GPUs
   run it natively.
 """

@@ -1,0 +1,156 @@
+"""bfloat16 weights whose updates count: any Keras optimizer's update of a
+16-bit variable computed in float32 and written with Kahan compensation.
+
+Keras computes an optimizer's update in the variable's dtype and writes it
+in that dtype. For a bfloat16 variable, Adam's `beta_2 ** step` rounds to 1
+and its step size to 0 (the weights never move), and an update smaller than
+half a bfloat16 step (2**-9 of the weight) rounds away: a weight of 1.0
+given 100 updates of -1e-4 stays at 1.0.
+
+`float32_updates(optimizer, buffers)`, around the optimizer's `apply`:
+
+- each 16-bit variable's `update_step` runs in Keras' autocast scope, where
+  the variable and its slots read as float32 and `variable.dtype` is
+  float32, so every cast, power and sum of the update is float32's;
+- each write to a variable that has a buffer is compensated (Kahan): the
+  buffer, of the variable's shape and dtype, holds what rounding the stored
+  weight lost, so that weight + buffer carries the sum of the updates to
+  about 16 significant bits, and the weight moves once that sum passes half
+  a step; its slots (Adam's moments, in the variable's dtype as Keras makes
+  them) are rounded to nearest;
+- the weight decay of such a variable (AdamW's) likewise.
+
+Each write goes through the optimizer's own `assign`, so a gate set around
+it (`kmp.scaling._gate`) gates the weight and the buffer alike. Nothing stays
+on the optimizer after the block.
+
+`kmp.Model.compile` does not use it yet: what is missing is in
+docs/design.md ("bfloat16 weights").
+"""
+
+import contextlib
+
+import keras
+from keras import ops
+
+from kmp import _keras_internals
+
+# The dtypes whose updates are computed in float32.
+LOW_PRECISION = ("bfloat16", "float16")
+_WRITES = ("assign", "assign_add", "assign_sub")
+
+
+def low_precision(variable):
+    """Whether `variable` is stored in a 16-bit float dtype (read outside
+    any autocast scope)."""
+    return keras.backend.standardize_dtype(variable.dtype) in LOW_PRECISION
+
+
+def new_buffer(variable):
+    """A compensation buffer for `variable`: zeros of its shape and dtype,
+    not trainable."""
+    return keras.Variable(
+        ops.zeros(variable.shape, variable.dtype), dtype=variable.dtype, trainable=False,
+        autocast=False, name=f"{variable.name}_compensation",
+    )
+
+
+def _value(x):
+    return x.value if isinstance(x, keras.Variable) else x
+
+
+@contextlib.contextmanager
+def float32_updates(optimizer, buffers):
+    """For the block, `optimizer` computes each 16-bit variable's update in
+    float32 and writes those in `buffers` with Kahan compensation.
+
+    Args:
+        optimizer: A built Keras optimizer (not a `kmp.LossScaleOptimizer`:
+            its inner optimizer).
+        buffers: List of `(variable, buffer)` pairs: the trainable variables
+            written with compensation and their buffers (`new_buffer`).
+    """
+    buffers = {id(variable): buffer for variable, buffer in buffers}
+    known = {}  # id of what update_step may be given -> the keras.Variable
+    for variable in _keras_internals.built_variables(optimizer):
+        known[id(variable)] = variable
+        known[id(_value(variable))] = variable  # TensorFlow hands over the tf.Variable
+    own = {name: getattr(optimizer, name) for name in _WRITES + ("update_step",)}
+    shadowed = {name: vars(optimizer)[name] for name in own if name in vars(optimizer)}
+    indices = {}  # id(variable) -> its index, looked up before the autocast scope
+    updating = []  # the variable whose update is being computed
+
+    def in_float32(variable, compute):
+        indices.setdefault(id(variable), _keras_internals.variable_index(optimizer, variable))
+        updating.append(variable)
+        try:
+            with _keras_internals.autocast("float32"):
+                return compute()
+        finally:
+            updating.pop()
+
+    def update_step(gradient, variable, learning_rate):
+        target = known.get(id(variable))
+        if target is None or not low_precision(target):
+            return own["update_step"](gradient, variable, learning_rate)
+        return in_float32(target, lambda: own["update_step"](
+            ops.cast(gradient, "float32"), target, learning_rate))
+
+    def variable_index(original, variable):
+        target = known.get(id(variable), variable)
+        if id(target) in indices:
+            return indices[id(target)]
+        return original(variable)
+
+    def weight_decay(original, variables):
+        variables = list(variables)
+        original([v for v in variables if not low_precision(v)])
+        if optimizer.weight_decay is None:
+            return
+        for variable in variables:
+            if low_precision(variable) and _keras_internals.uses_weight_decay(optimizer, variable):
+                in_float32(variable, lambda v=variable: optimizer.assign_sub(
+                    v, ops.cast(v.value, "float32")
+                    * ops.cast(optimizer.weight_decay, "float32")
+                    * ops.cast(optimizer.learning_rate, "float32")))
+
+    def write(name):
+        def float32_write(variable, value):
+            if not updating:
+                return own[name](variable, value)
+            target = known.get(id(variable), variable)
+            current = ops.cast(_value(target), "float32")
+            value = ops.cast(_value(value), "float32")
+            buffer = buffers.get(id(target))
+            with _keras_internals.autocast(None):
+                if buffer is None:
+                    new = {"assign": value, "assign_add": current + value,
+                           "assign_sub": current - value}[name]
+                    return own["assign"](variable, new)
+                dtype = target.dtype
+                if name == "assign":
+                    # A whole new value: the buffer keeps what storing it loses.
+                    stored = ops.cast(value, dtype)
+                    own["assign"](buffer, value - ops.cast(stored, "float32"))
+                    return own["assign"](variable, stored)
+                delta = value if name == "assign_add" else -value
+                compensated = ops.cast(_value(buffer), "float32") + delta
+                stored = ops.cast(current + compensated, dtype)
+                own["assign"](buffer, compensated - (ops.cast(stored, "float32") - current))
+                return own["assign"](variable, stored)
+        return float32_write
+
+    optimizer.update_step = update_step
+    for name in _WRITES:
+        setattr(optimizer, name, write(name))
+    try:
+        with _keras_internals.shadowed_optimizer_methods(
+            optimizer, variable_index=variable_index, apply_weight_decay=weight_decay,
+        ):
+            yield
+    finally:
+        for name in own:
+            if name in shadowed:
+                setattr(optimizer, name, shadowed[name])
+            else:
+                delattr(optimizer, name)

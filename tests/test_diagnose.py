@@ -233,6 +233,37 @@ def test_static_checks_follow_the_policy_layers_run_in():
     assert [(f["check"], f["layer"]) for f in bf16_findings] == [("output dtype", "head")]
 
 
+def _weights_in(dtype, optimizer=None):
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu", dtype=dtype)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype=dtype)(hidden))
+    if optimizer is not None:
+        model.compile(optimizer, "mse")
+    return model
+
+
+def _weight_findings(model):
+    return [f for f in kmp.diagnose(model).findings if f["check"] == "16-bit weights"]
+
+
+def test_weights_stored_in_bfloat16_are_named_with_the_optimizer_that_cannot_move_them():
+    # Keras' Adam never moves bfloat16 weights (tests/test_compensated.py
+    # shows it): the finding says so, names the weights and gives the line.
+    (finding,) = _weight_findings(_weights_in("bfloat16", keras.optimizers.Adam()))
+    assert "4 of the model's 4 trainable weights are stored in bfloat16" in finding["message"]
+    assert "dense/kernel" in finding["message"]
+    assert "Adam's step is 0 (beta_2=0.999 rounds to 1 in bfloat16)" in finding["message"]
+    assert "kmp.set_policy('mixed_bfloat16')" in finding["fix"]
+    # SGD moves them, but loses what is below half a step.
+    (finding,) = _weight_findings(_weights_in("bfloat16", keras.optimizers.SGD()))
+    assert "is lost." in finding["message"] and "never" not in finding["message"]
+    # float16 holds 0.999: Adam moves float16 weights, small updates still round away.
+    (finding,) = _weight_findings(_weights_in("float16", keras.optimizers.Adam()))
+    assert "2**-12 to 2**-11" in finding["message"] and "never" not in finding["message"]
+    # Weights in float32 (mixed precision, the fix): nothing to report.
+    assert _weight_findings(_weights_in("mixed_bfloat16", keras.optimizers.Adam())) == []
+
+
 def test_report_converts_to_dict_json_and_a_table(tmp_path):
     model = _dense_model(["small", "big"], [8, 1], "mixed_float16")
     model.get_layer("big").kernel.assign(np.full((8, 1), 1e5, "float32"))

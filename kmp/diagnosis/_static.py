@@ -3,8 +3,9 @@
 Epsilons below float16's smallest normal, constants that overflow float16
 (a `-1e9` mask) in a custom layer's `call()`, exponentials, norms and sums of
 squares computed in float16 without a cast to float32, token ids that reach an
-embedding as floats and are rounded by a 16-bit cast, and model outputs that
-are not float32.
+embedding as floats and are rounded by a 16-bit cast, model outputs that
+are not float32, and trainable weights stored in 16 bits, whose updates Keras'
+optimizers round away.
 """
 
 import ast
@@ -107,6 +108,7 @@ def static_findings(model, reduced):
                 ))
     findings.extend(_token_id_findings(model, reduced))
     findings.extend(_output_findings(model, reduced))
+    findings.extend(_weight_dtype_findings(model))
     return findings
 
 
@@ -206,6 +208,36 @@ def _output_findings(model, reduced):
                 "end the model with keras.layers.Activation('linear', "
                 "dtype='float32'), or build it as a kmp.Model",
             ))
+    return findings
+
+
+def _weight_dtype_findings(model):
+    """Trainable weights stored in 16 bits: Keras' optimizers compute the
+    update in the weight's dtype and round it there."""
+    low = {}
+    for variable in model.trainable_variables:
+        dtype = keras.backend.standardize_dtype(variable.dtype)
+        if dtype in ("bfloat16", "float16"):
+            low.setdefault(dtype, []).append(variable)
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    findings = []
+    for dtype, variables in low.items():
+        names = ", ".join(v.path for v in variables[:3]) + (", ..." if len(variables) > 3 else "")
+        message = (
+            f"{len(variables)} of the model's {len(model.trainable_variables)} trainable weights "
+            f"are stored in {dtype} ({names}). Keras' optimizers compute an update in the "
+            f"weight's dtype and round it there: an update below half a {dtype} step "
+            f"({'2**-9 to 2**-8' if dtype == 'bfloat16' else '2**-12 to 2**-11'} of the weight) is lost")
+        beta_2 = getattr(optimizer, "beta_2", None)
+        if isinstance(beta_2, float) and float(keras.ops.cast(beta_2, dtype)) == 1.0:
+            message += (f", and {type(optimizer).__name__}'s step is 0 (beta_2={beta_2:g} "
+                        f"rounds to 1 in {dtype}), so these weights never change")
+        findings.append(_finding(
+            "16-bit weights", model, message + ".",
+            f"keep the weights in float32 and compute in {dtype}: build the model under "
+            f"kmp.set_policy('mixed_{dtype}') (a layer's dtype='mixed_{dtype}', not '{dtype}')",
+        ))
     return findings
 
 

@@ -31,7 +31,7 @@ from kmp.precision._float32_layers import KEEP_FLOAT32_CLASSES  # noqa: F401
 
 _LOGGER = logging.getLogger("kmp")
 
-POLICY_NAMES = ("float32", "mixed_float16", "mixed_bfloat16")
+POLICY_NAMES = ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16")
 _SET_POLICY_NAMES = POLICY_NAMES + ("auto",)
 
 
@@ -39,28 +39,31 @@ _SET_POLICY_NAMES = POLICY_NAMES + ("auto",)
 class Policy:
     """A precision policy: compute, variable and output dtypes.
 
-    Variables and model outputs are always float32; only the compute dtype
-    changes. Inside a `kmp.Model`, `UnitNormalization`, `Normalization` and
+    Model outputs are always float32, and variables too but under
+    `"bfloat16"`, which keeps them in bfloat16 (half their memory): there
+    `compile`'s `kmp.LossScaleOptimizer` computes each update in float32 and
+    writes it with Kahan compensation, so that it is not rounded away. Inside a `kmp.Model`, `UnitNormalization`, `Normalization` and
     the layers named with `keep_float32=` compute in float32 whatever the
     policy, and hand the compute dtype on.
 
     Args:
         name: String. One of `"float32"`, `"mixed_float16"`,
-            `"mixed_bfloat16"`. (`"auto"` is resolved by `kmp.set_policy`.)
+            `"mixed_bfloat16"`, `"bfloat16"`. (`"auto"` is resolved by
+            `kmp.set_policy`.)
         reason: Optional string. Why this policy was chosen; `"auto"` fills
             it in. Defaults to `None`.
 
     Attributes:
         name: The policy's name.
         compute_dtype: `"float32"`, `"float16"` or `"bfloat16"`.
-        variable_dtype: Always `"float32"`.
+        variable_dtype: `"float32"`, or `"bfloat16"` under `"bfloat16"`.
         output_dtype: Always `"float32"`.
         loss_scaling: `True` exactly when `compute_dtype` is `"float16"`
             (bfloat16 has float32's exponent range and needs no loss scaling).
         reason: Why this policy is active, or `None`.
 
     Raises:
-        ValueError: if `name` is not one of the three policy names.
+        ValueError: if `name` is not one of the four policy names.
 
     Example:
 

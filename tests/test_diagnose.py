@@ -253,6 +253,7 @@ def test_weights_stored_in_bfloat16_are_named_with_the_optimizer_that_cannot_mov
     assert "4 of the model's 4 trainable weights are stored in bfloat16" in finding["message"]
     assert "dense/kernel" in finding["message"]
     assert "Adam's step is 0 (beta_2=0.999 rounds to 1 in bfloat16)" in finding["message"]
+    assert "kmp.convert(model, 'bfloat16')" in finding["fix"]
     assert "kmp.set_policy('mixed_bfloat16')" in finding["fix"]
     # SGD moves them, but loses what is below half a step.
     (finding,) = _weight_findings(_weights_in("bfloat16", keras.optimizers.SGD()))
@@ -260,8 +261,15 @@ def test_weights_stored_in_bfloat16_are_named_with_the_optimizer_that_cannot_mov
     # float16 holds 0.999: Adam moves float16 weights, small updates still round away.
     (finding,) = _weight_findings(_weights_in("float16", keras.optimizers.Adam()))
     assert "2**-12 to 2**-11" in finding["message"] and "never" not in finding["message"]
-    # Weights in float32 (mixed precision, the fix): nothing to report.
+    # Weights in float32 (mixed precision), or a kmp.Model under bfloat16,
+    # whose compiled optimizer compensates (the fixes): nothing to report.
     assert _weight_findings(_weights_in("mixed_bfloat16", keras.optimizers.Adam())) == []
+    converted = kmp.convert(_weights_in("float32"), "bfloat16")
+    assert {v.dtype for v in converted.trainable_variables} == {"bfloat16"}
+    assert _weight_findings(converted) == []
+    converted.compile(keras.optimizers.Adam(), "mse")
+    assert isinstance(converted.optimizer, kmp.LossScaleOptimizer)
+    assert _weight_findings(converted) == []
 
 
 def test_report_converts_to_dict_json_and_a_table(tmp_path):

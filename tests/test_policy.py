@@ -197,7 +197,7 @@ def test_resolve_policy_takes_none_only_where_the_caller_gives_it_a_meaning():
         policy_module._resolve_policy(None, "name", caller="kmp.set_policy")
     assert str(error.value) == (
         "Unknown policy name. `name` must be one of 'float32', 'mixed_float16', "
-        "'mixed_bfloat16', 'auto' or a kmp.Policy. Received: name=None"
+        "'mixed_bfloat16', 'bfloat16', 'auto' or a kmp.Policy. Received: name=None"
     )
     with pytest.raises(ValueError) as error:
         policy_module._resolve_policy(
@@ -205,7 +205,7 @@ def test_resolve_policy_takes_none_only_where_the_caller_gives_it_a_meaning():
         )
     assert str(error.value) == (
         "Unknown policy name. `inference_policy` must be one of 'float32', "
-        "'mixed_float16', 'mixed_bfloat16', 'auto', a kmp.Policy or None (the "
+        "'mixed_float16', 'mixed_bfloat16', 'bfloat16', 'auto', a kmp.Policy or None (the "
         "model's own policy). Received: inference_policy='fp16'"
     )
 

@@ -71,7 +71,7 @@ def test_public_paths_are_the_objects_kmp_exports():
     assert kmp.callbacks.BackupAndRestore is kmp.checkpoint.BackupAndRestore
     assert kmp.LossScaleOptimizer is kmp.loss_scale.LossScaleOptimizer
     assert kmp.Model is kmp.model.Model
-    assert kmp.policy.POLICY_NAMES == ("float32", "mixed_float16", "mixed_bfloat16")
+    assert kmp.policy.POLICY_NAMES == ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16")
 
 
 @pytest.mark.parametrize("name", sorted(_REGISTERED))

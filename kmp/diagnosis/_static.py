@@ -219,8 +219,12 @@ def _weight_dtype_findings(model):
         dtype = keras.backend.standardize_dtype(variable.dtype)
         if dtype in ("bfloat16", "float16"):
             low.setdefault(dtype, []).append(variable)
+    from kmp.loss_scale import LossScaleOptimizer
+    from kmp.model import Model
+
     optimizer = getattr(model, "optimizer", None)
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if isinstance(optimizer, LossScaleOptimizer) or (isinstance(model, Model) and optimizer is None):
+        return []  # kmp's scaler (compile's, under bfloat16) computes their updates in float32.
     findings = []
     for dtype, variables in low.items():
         names = ", ".join(v.path for v in variables[:3]) + (", ..." if len(variables) > 3 else "")
@@ -235,7 +239,9 @@ def _weight_dtype_findings(model):
                         f"rounds to 1 in {dtype}), so these weights never change")
         findings.append(_finding(
             "16-bit weights", model, message + ".",
-            f"keep the weights in float32 and compute in {dtype}: build the model under "
+            f"train it as a kmp.Model, whose optimizer computes each update in float32 and "
+            f"writes it with compensation (kmp.convert(model, 'bfloat16'), or build it under "
+            f"kmp.set_policy('bfloat16')); or keep the weights in float32: "
             f"kmp.set_policy('mixed_{dtype}') (a layer's dtype='mixed_{dtype}', not '{dtype}')",
         ))
     return findings

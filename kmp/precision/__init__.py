@@ -25,8 +25,8 @@ they and `kmp.Model` share:
   `fit` would run them without `training=True` (read by `kmp.float8.enable`
   and `kmp.Model`).
 - `_compensated.py`: any Keras optimizer's update of a bfloat16 variable
-  computed in float32 and written with Kahan compensation (not yet used by
-  `compile`; docs/design.md, "bfloat16 weights").
+  computed in float32 and written with Kahan compensation, within a
+  `kmp.LossScaleOptimizer` (docs/design.md, "bfloat16 weights").
 - `_float8_matmul.py`: the float8 matmul `kmp doctor` times, and which GPUs
   run it natively.
 """

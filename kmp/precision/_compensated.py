@@ -24,8 +24,10 @@ Each write goes through the optimizer's own `assign`, so a gate set around
 it (`kmp.scaling._gate`) gates the weight and the buffer alike. Nothing stays
 on the optimizer after the block.
 
-`kmp.Model.compile` does not use it yet: what is missing is in
-docs/design.md ("bfloat16 weights").
+A `kmp.LossScaleOptimizer` built on 16-bit variables makes their buffers
+(`kmp.scaling._step.build_state`) and applies its inner optimizer within it
+(`around_inner_apply`); what is missing is in docs/design.md ("bfloat16
+weights").
 """
 
 import contextlib
@@ -53,6 +55,16 @@ def new_buffer(variable):
         ops.zeros(variable.shape, variable.dtype), dtype=variable.dtype, trainable=False,
         autocast=False, name=f"{variable.name}_compensation",
     )
+
+
+def around_inner_apply(optimizer):
+    """`float32_updates` for a `kmp.LossScaleOptimizer`'s inner `apply`,
+    with the buffers it built (`kmp.scaling._step.build_state`); nothing
+    where it built none."""
+    pairs = getattr(optimizer, "_kmp_compensation", None)
+    if not pairs:
+        return contextlib.nullcontext()
+    return float32_updates(optimizer.inner_optimizer, pairs)
 
 
 def _value(x):

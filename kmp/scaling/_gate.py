@@ -107,7 +107,8 @@ def gated_writes(optimizer, keep, around, *, casts_before_adding):
                 delattr(optimizer, name)
 
 
-def gated_stateless_apply(optimizer, keep, optimizer_values, grads, trainable_values):
+def gated_stateless_apply(optimizer, keep, optimizer_values, grads, trainable_values, *,
+                          extra=(), inside=contextlib.nullcontext):
     """`optimizer.stateless_apply(optimizer_values, grads, trainable_values)`
     where `keep`, the values given elsewhere, with no select after a write
     the gate made.
@@ -118,12 +119,21 @@ def gated_stateless_apply(optimizer, keep, optimizer_values, grads, trainable_va
     its value before the step to its value after through gated writes alone
     takes that value; any other that changed is selected by `keep`.
 
+    Args:
+        extra: `(variable, value)` pairs of other variables the apply may
+            write (a scaler's compensation buffers), in the scope too.
+        inside: A context manager factory entered inside the gate, around
+            the optimizer's `apply` (`kmp.precision._compensated`'s).
+
     Returns:
-        `(new_trainable_values, new_optimizer_values)`, as Keras'.
+        `(new_trainable_values, new_optimizer_values, new_extra)`, the first
+        two as Keras' `stateless_apply`'s, `new_extra` a dict from each
+        extra variable's `id` to its new value.
     """
     built = list(_keras_internals.built_variables(optimizer))
-    variables = built + list(optimizer.variables)
-    values = list(trainable_values) + list(optimizer_values)
+    own = len(built) + len(optimizer.variables)
+    variables = built + list(optimizer.variables) + [variable for variable, _ in extra]
+    values = list(trainable_values) + list(optimizer_values) + [value for _, value in extra]
     chains = {}  # id(variable) -> [value before its first gated write, after its last, unbroken]
     with keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope:
         before = [scope.get_current_value(v) for v in variables]
@@ -137,7 +147,7 @@ def gated_stateless_apply(optimizer, keep, optimizer_values, grads, trainable_va
             return result
 
         # A stateless apply writes through `keras.Variable.assign_add`.
-        with gated_writes(optimizer, keep, around, casts_before_adding=False):
+        with gated_writes(optimizer, keep, around, casts_before_adding=False), inside():
             optimizer.apply(grads, built)
         after = [scope.get_current_value(v) for v in variables]
     new = []
@@ -149,4 +159,5 @@ def gated_stateless_apply(optimizer, keep, optimizer_values, grads, trainable_va
             new.append(value)
         else:
             new.append(ops.where(keep, value, old))
-    return new[:len(built)], new[len(built):]
+    new_extra = {id(variable): value for variable, value in zip(variables[own:], new[own:])}
+    return new[:len(built)], new[len(built):own], new_extra

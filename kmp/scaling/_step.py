@@ -26,6 +26,7 @@ import collections
 import keras
 from keras import ops
 
+from kmp.precision import _compensated
 from kmp.scaling import _gate
 from kmp.scaling import _gradients
 from kmp.scaling import _handoff
@@ -73,6 +74,13 @@ def build_state(optimizer, var_list):
     # overflow; written only while a monitor asks for it.
     optimizer._nonfinite_gradients = add_state_variable(
         optimizer, "nonfinite_gradients", (len(var_list),), counter_dtype, 0)
+    # A 16-bit variable's update is computed in float32 and written with
+    # Kahan compensation (`kmp.precision._compensated`): its buffer.
+    optimizer._kmp_compensation = [
+        (variable, add_state_variable(optimizer, variable.path.replace("/", "_") + "_compensation",
+                                      variable.shape, variable.dtype, 0.0))
+        for variable in var_list if _compensated.low_precision(variable)
+    ]
     backends.get("step").check_buildable(optimizer)
     if accumulation_steps(optimizer):
         optimizer._accumulation_window = add_state_variable(
@@ -377,11 +385,16 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
 
     unscaled = unscale(optimizer, grads, built, scale) if divide else grads
-    if backends.get("step").traced(applied):
+    buffers = {id(buffer) for _, buffer in optimizer._kmp_compensation}
+    extra = [(variable, value) for variable, value in mapping if id(variable) in buffers]
+    new_extra = {}
+    if backends.get("step").traced(applied) or extra:
         # The skip inside each write (`kmp.scaling._gate`): no conditional,
-        # and no copy of a slot beside its update.
-        new_trainable, new_inner = _gate.gated_stateless_apply(
-            inner, applied, inner_values, unscaled, list(trainable_variables))
+        # and no copy of a slot beside its update. (With 16-bit variables
+        # eagerly too: their compensation buffers are the scaler's.)
+        new_trainable, new_inner, new_extra = _gate.gated_stateless_apply(
+            inner, applied, inner_values, unscaled, list(trainable_variables), extra=extra,
+            inside=lambda: _compensated.around_inner_apply(optimizer))
     elif bool(applied):
         # Run eagerly (JAX without jit): decided on the host, so the update
         # runs op by op as Keras' own eager step runs it.
@@ -390,6 +403,7 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     else:
         new_trainable, new_inner = list(trainable_variables), inner_values
     own = state_after(optimizer, scale, counters, decision, flags_before, spike_state)
+    own.update(new_extra)
     new_trainable = list(new_trainable)
     position = {id(v): i for i, v in enumerate(built)}
     for variable, value in follow_scale(optimizer, lambda v: new_trainable[position[id(v)]],

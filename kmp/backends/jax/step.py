@@ -15,6 +15,7 @@ import jax
 from keras import ops
 
 from kmp import _keras_internals
+from kmp.precision import _compensated
 from kmp.scaling import _handoff
 from kmp.scaling import _rule as _scaling_rule
 from kmp.scaling import _step as _scaling_step
@@ -135,8 +136,9 @@ def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, los
     if bool(finite):
         unscaled = _scaling_step.unscale(optimizer, grads, built, scale) if divide else grads
         by_id = {id(v): g for v, g in zip(built, unscaled)}
-        optimizer.inner_optimizer.apply(
-            [by_id[id(v)] for v in trainable_variables], trainable_variables
-        )
+        with _compensated.around_inner_apply(optimizer):
+            optimizer.inner_optimizer.apply(
+                [by_id[id(v)] for v in trainable_variables], trainable_variables
+            )
     _scaling_step.assign_state(optimizer, decision)
     return ops.convert_to_tensor(bool(finite)), decision.retry

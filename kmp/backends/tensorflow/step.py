@@ -10,6 +10,7 @@ unscaling, the next scale and counters) is `kmp.scaling._step`'s.
 import tensorflow as tf
 from keras import ops
 
+from kmp.precision import _compensated
 from kmp.scaling import _gate
 from kmp.scaling import _handoff
 from kmp import _keras_internals
@@ -204,7 +205,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         grads = replicas_module.summable(grads)  # before clipping: Keras' global
         if clip_summed:                           # norm refuses mixed dtypes
             grads = _clip_summed(inner, grads, variables)
-        inner.apply(grads, variables)
+        with _compensated.around_inner_apply(optimizer):
+            inner.apply(grads, variables)
 
     if select and not window:
         _apply_if(applied, lambda: apply_unscaled(grads, variables), inner, variables, grads,

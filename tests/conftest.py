@@ -39,6 +39,8 @@ JAX_TESTS = (
     "test_epoch_logs.py",
     "test_guard.py",
     "test_modes.py",
+    "test_compensated.py",
+    "test_bfloat16_weights.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
 JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py", "test_jax_install.py")

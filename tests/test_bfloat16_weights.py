@@ -14,6 +14,7 @@ import pytest
 
 import kmp
 
+BACKEND = keras.backend.backend()
 MODES = {
     "eager": {"run_eagerly": True},
     "graph": {"jit_compile": False},
@@ -114,6 +115,67 @@ def test_a_keras_file_resumes_bit_for_bit_buffers_included(tmp_path):
     first.save(path)
     resumed = keras.saving.load_model(path)
     resumed.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    through = _mlp("bfloat16", start=start)
+    _fit(through, x, y, "graph", epochs=2)
+    for ours, theirs in zip(_state(resumed), _state(through), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a tf.GradientTape loop is TensorFlow's")
+def test_a_gradient_tape_loop_trains_bfloat16_weights_with_the_scaler_it_wraps_in():
+    import tensorflow as tf
+
+    x, y = _regression()
+    start = _start()
+    results = {}
+    for name, optimizer in (
+        ("kmp", kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-2))),  # the one line
+        ("keras", keras.optimizers.Adam(1e-2)),
+    ):
+        model = _mlp("bfloat16", keras.Model, start=start)
+
+        @tf.function
+        def train_step(xb, yb, model=model, optimizer=optimizer):
+            with tf.GradientTape() as tape:
+                out = keras.ops.cast(model(xb, training=True), "float32")
+                loss = keras.ops.mean(keras.ops.square(out - yb))
+                scaled = optimizer.scale_loss(loss)
+            optimizer.apply(tape.gradient(scaled, model.trainable_variables),
+                            model.trainable_variables)
+            return loss
+
+        losses = [float(train_step(x[i:i + 32], y[i:i + 32]))
+                  for _ in range(3) for i in range(0, len(x), 32)]
+        results[name] = (losses, model)
+    kmp_losses, _ = results["kmp"]
+    keras_losses, keras_model = results["keras"]
+    assert np.mean(kmp_losses[-8:]) < 0.5 * np.mean(kmp_losses[:8])
+    for ours, theirs in zip(keras_model.get_weights(), start):  # Keras' Adam: never moved
+        np.testing.assert_array_equal(np.asarray(ours, "float32"),
+                                      np.asarray(keras.ops.cast(theirs, "bfloat16"), "float32"))
+
+
+def test_kmp_backup_and_restore_resumes_bfloat16_weights_exactly(tmp_path):
+    # Interrupted after the first epoch, resumed from kmp's backup: the
+    # weights, moments and compensation buffers of a run that never stopped.
+    x, y = _regression()
+    start = _start()
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                raise RuntimeError("interrupted")
+
+    backup = kmp.callbacks.BackupAndRestore(os.fspath(tmp_path / "backup"))
+    interrupted = _mlp("bfloat16", start=start)
+    interrupted.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        interrupted.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[backup, Interrupt()])
+    resumed = _mlp("bfloat16", start=start)
+    resumed.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
+    resumed.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                callbacks=[kmp.callbacks.BackupAndRestore(os.fspath(tmp_path / "backup"))])
     through = _mlp("bfloat16", start=start)
     _fit(through, x, y, "graph", epochs=2)
     for ours, theirs in zip(_state(resumed), _state(through), strict=True):

@@ -51,7 +51,7 @@ uses it says more):
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
 | `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
 | `keras.src.backend.common.variables` (`AutocastScope`, `get_autocast_scope`), `keras.src.backend.common.global_state.set_global_attribute("autocast_scope")` | `autocast` | `precision/_compensated.py` | a bfloat16 variable's update computed in float32 by any Keras optimizer: its `update_step` casts by `variable.dtype`, which Keras' autocast scope makes float32, and reads the variable and its slots as float32 there |
-| `Optimizer._get_variable_index`, `_apply_weight_decay` (shadowed on the instance for one `apply`), `_use_weight_decay` | `shadowed_optimizer_methods`, `uses_weight_decay` | `precision/_compensated.py` | in that scope TensorFlow's optimizer would look a slot up by a cast value, not its `tf.Variable`; the weight decay of a bfloat16 variable computed in float32 and written compensated, as its update is |
+| `Optimizer._get_variable_index`, `_apply_weight_decay` (shadowed on the instance for one `apply`, `shadowed`), `_use_weight_decay` | `shadowed_optimizer_methods`, `uses_weight_decay` | `precision/_compensated.py` | in that scope TensorFlow's optimizer would look a slot up by a cast value, not its `tf.Variable`; the weight decay of a bfloat16 variable computed in float32 and written compensated, as its update is |
 | `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `backends/tensorflow/distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
 
 `precision/_token_ids.py` also overrides `DTypePolicy.convert_input` (public) in kmp's
@@ -347,26 +347,34 @@ def autocast(dtype):
 
 
 @contextlib.contextmanager
-def shadowed_optimizer_methods(optimizer, *, variable_index, apply_weight_decay):
-    """For the block, `optimizer._get_variable_index(variable)` and
-    `optimizer._apply_weight_decay(variables)` are the functions given,
-    each called with the optimizer's own as its first argument; the instance
-    has what it had before after the block, whether it returns or raises.
-    """
-    methods = {"_get_variable_index": variable_index, "_apply_weight_decay": apply_weight_decay}
-    own = vars(optimizer)
-    shadowed = {name: own[name] for name in methods if name in own}
-    originals = {name: getattr(optimizer, name) for name in methods}
+def shadowed(instance, methods):
+    """For the block, each `instance.<name>` is `methods[name]`, set on the
+    instance; after it the instance has what it had before (its own
+    attribute, or none), whether the block returns or raises."""
+    own = vars(instance)
+    kept = {name: own[name] for name in methods if name in own}
     for name, method in methods.items():
-        setattr(optimizer, name, lambda *args, _m=method, _o=originals[name]: _m(_o, *args))
+        setattr(instance, name, method)
     try:
         yield
     finally:
         for name in methods:
-            if name in shadowed:
-                setattr(optimizer, name, shadowed[name])
+            if name in kept:
+                setattr(instance, name, kept[name])
             else:
-                delattr(optimizer, name)
+                delattr(instance, name)
+
+
+def shadowed_optimizer_methods(optimizer, *, variable_index, apply_weight_decay):
+    """For the block, `optimizer._get_variable_index(variable)` and
+    `optimizer._apply_weight_decay(variables)` are the functions given,
+    each called with the optimizer's own as its first argument (`shadowed`).
+    """
+    given = {"_get_variable_index": variable_index, "_apply_weight_decay": apply_weight_decay}
+    return shadowed(optimizer, {
+        name: lambda *args, _m=method, _o=getattr(optimizer, name): _m(_o, *args)
+        for name, method in given.items()
+    })
 
 
 def uses_weight_decay(optimizer, variable):

@@ -36,10 +36,10 @@ import keras
 from keras import ops
 
 from kmp import _keras_internals
+from kmp.scaling import _gate
 
 # The dtypes whose updates are computed in float32.
 LOW_PRECISION = ("bfloat16", "float16")
-_WRITES = ("assign", "assign_add", "assign_sub")
 
 
 def low_precision(variable):
@@ -61,14 +61,10 @@ def around_inner_apply(optimizer):
     """`float32_updates` for a `kmp.LossScaleOptimizer`'s inner `apply`,
     with the buffers it built (`kmp.scaling._step.build_state`); nothing
     where it built none."""
-    pairs = getattr(optimizer, "_kmp_compensation", None)
+    pairs = optimizer._kmp_compensation
     if not pairs:
         return contextlib.nullcontext()
     return float32_updates(optimizer.inner_optimizer, pairs)
-
-
-def _value(x):
-    return x.value if isinstance(x, keras.Variable) else x
 
 
 @contextlib.contextmanager
@@ -86,9 +82,8 @@ def float32_updates(optimizer, buffers):
     known = {}  # id of what update_step may be given -> the keras.Variable
     for variable in _keras_internals.built_variables(optimizer):
         known[id(variable)] = variable
-        known[id(_value(variable))] = variable  # TensorFlow hands over the tf.Variable
-    own = {name: getattr(optimizer, name) for name in _WRITES + ("update_step",)}
-    shadowed = {name: vars(optimizer)[name] for name in own if name in vars(optimizer)}
+        known[id(_gate.value_of(variable))] = variable  # TensorFlow hands over the tf.Variable
+    own = {name: getattr(optimizer, name) for name in _gate.WRITES + ("update_step",)}
     indices = {}  # id(variable) -> its index, looked up before the autocast scope
     updating = []  # the variable whose update is being computed
 
@@ -131,14 +126,12 @@ def float32_updates(optimizer, buffers):
             if not updating:
                 return own[name](variable, value)
             target = known.get(id(variable), variable)
-            current = ops.cast(_value(target), "float32")
-            value = ops.cast(_value(value), "float32")
+            current = ops.cast(_gate.value_of(target), "float32")
+            value = ops.cast(_gate.value_of(value), "float32")
             buffer = buffers.get(id(target))
             with _keras_internals.autocast(None):
                 if buffer is None:
-                    new = {"assign": value, "assign_add": current + value,
-                           "assign_sub": current - value}[name]
-                    return own["assign"](variable, new)
+                    return own["assign"](variable, _gate.written(name, current, value))
                 dtype = target.dtype
                 if name == "assign":
                     # A whole new value: the buffer keeps what storing it loses.
@@ -146,23 +139,14 @@ def float32_updates(optimizer, buffers):
                     own["assign"](buffer, value - ops.cast(stored, "float32"))
                     return own["assign"](variable, stored)
                 delta = value if name == "assign_add" else -value
-                compensated = ops.cast(_value(buffer), "float32") + delta
+                compensated = ops.cast(_gate.value_of(buffer), "float32") + delta
                 stored = ops.cast(current + compensated, dtype)
                 own["assign"](buffer, compensated - (ops.cast(stored, "float32") - current))
                 return own["assign"](variable, stored)
         return float32_write
 
-    optimizer.update_step = update_step
-    for name in _WRITES:
-        setattr(optimizer, name, write(name))
-    try:
-        with _keras_internals.shadowed_optimizer_methods(
-            optimizer, variable_index=variable_index, apply_weight_decay=weight_decay,
-        ):
-            yield
-    finally:
-        for name in own:
-            if name in shadowed:
-                setattr(optimizer, name, shadowed[name])
-            else:
-                delattr(optimizer, name)
+    methods = {name: write(name) for name in _gate.WRITES}
+    with _keras_internals.shadowed(optimizer, dict(methods, update_step=update_step)), \
+            _keras_internals.shadowed_optimizer_methods(
+                optimizer, variable_index=variable_index, apply_weight_decay=weight_decay):
+        yield

@@ -39,10 +39,16 @@ WRITES = ("assign", "assign_add", "assign_sub")
 # `keras.Variable`: SGD's `assign_add(variable, m)`.
 def _kept(name, variable, value, casts_before_adding):
     value, current = value_of(value), value_of(variable)
+    if casts_before_adding and name != "assign":
+        value = ops.cast(value, current.dtype)
+    return written(name, current, value)
+
+
+def written(name, current, value):
+    """What the write `name` (`"assign"`, `"assign_add"` or `"assign_sub"`)
+    of `value` leaves in a variable holding `current`."""
     if name == "assign":
         return value
-    if casts_before_adding:
-        value = ops.cast(value, current.dtype)
     return ops.add(current, value) if name == "assign_add" else ops.subtract(current, value)
 
 
@@ -74,8 +80,6 @@ def gated_writes(optimizer, keep, around, *, casts_before_adding):
     optimizer's `assign_add` casts the value to the variable's dtype before
     adding (Keras' TensorFlow optimizer) or adds first (`keras.Variable`'s).
     """
-    own = vars(optimizer)
-    shadowed = {name: own[name] for name in WRITES if name in own}
     methods = {name: getattr(optimizer, name) for name in WRITES}
     # Through Keras' own `assign` where all three are Keras' own.
     through_assign = all(_keras_own(optimizer, name) for name in WRITES)
@@ -95,16 +99,8 @@ def gated_writes(optimizer, keep, around, *, casts_before_adding):
             )
         return write_where_kept
 
-    for name in WRITES:
-        setattr(optimizer, name, gate(name))
-    try:
+    with _keras_internals.shadowed(optimizer, {name: gate(name) for name in WRITES}):
         yield
-    finally:
-        for name in WRITES:
-            if name in shadowed:
-                setattr(optimizer, name, shadowed[name])
-            else:
-                delattr(optimizer, name)
 
 
 def gated_stateless_apply(optimizer, keep, optimizer_values, grads, trainable_values, *,

@@ -82,7 +82,6 @@ def all_true(flags):
     return ops.sort(ops.cast(ops.stack(flags), "int32"))[0] > 0
 
 
-
 def all_finite(gradients):
     """Returns a boolean scalar: whether every gradient is free of inf and NaN.
 

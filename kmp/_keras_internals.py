@@ -39,12 +39,12 @@ uses it says more):
 | `Optimizer._filter_empty_gradients` | `filter_empty_gradients` | `loss_scale.py` | drop `None` gradients exactly as Keras' `apply` does |
 | `Optimizer._get_variable_index` | `variable_index` | `scaling/_step.py` | which variable overflowed, for the monitor |
 | `Optimizer._overwrite_variable_with_gradient` | `overwritten_with_gradient` | `scaling/_step.py`, `backends/tensorflow/step.py` | variables Keras overwrites with their "gradient" are not unscaled (as Keras' scaler) |
-| `Optimizer._iterations` | `micro_steps` | `backends/tensorflow/step.py` | the micro-step count (`iterations` counts windows): a window's last micro-batch, and its start when a window is discarded |
-| `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `backends/tensorflow/step.py` | discard a window with an overflow |
+| `Optimizer._iterations` | `micro_steps` | `backends/tensorflow/step.py`, `backends/tensorflow/selects.py` | the micro-step count (`iterations` counts windows): a window's last micro-batch, and its start when a window is discarded |
+| `Optimizer._backend_reset_gradient_accumulators` | `reset_gradient_accumulators` | `backends/tensorflow/step.py`, `backends/tensorflow/selects.py` | discard a window with an overflow |
 | `Optimizer._clip_gradients` | `clip_gradients` | `backends/tensorflow/step.py` | under several replicas, clip the gradients summed over replicas with the inner optimizer's own rule (Keras clips each replica's share) |
-| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `backends/tensorflow/replicas.py` | whether a step can run without `merge_call` (per-replica decisions) |
+| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `supports_no_merge_call` | `backends/tensorflow/step.py` | whether a step can run without `merge_call` (per-replica decisions) |
 | `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext` | `in_xla_context` | `backends/tensorflow/step.py` | whether the step being traced is compiled by XLA (`jit_compile=True`), where the skip is a select |
-| `tf.compat.v1.get_default_graph` | `default_graph` | `backends/tensorflow/step.py`, `backends/tensorflow/layer_state.py` | whether a recorded loss belongs to the graph being traced |
+| `tf.compat.v1.get_default_graph` | `default_graph` | `backends/tensorflow/step.py`, `backends/tensorflow/selects.py`, `backends/tensorflow/layer_state.py` | whether a recorded loss belongs to the graph being traced |
 | `JAXTrainer._update_metrics_variables` | `update_metrics_variables` | `backends/jax/trainer.py` | the metrics of a JAX train step, updated as Keras' own step updates them |
 | `Trainer._loss_tracker` | `loss_tracker` | `backends/tensorflow/trainer.py`, `backends/jax/trainer.py` | whether a step computed a loss, for the loss a skipped step logs |
 | `Trainer._flatten_metrics_in_order` | `logs_as_list` | `model.py` | `train_on_batch`'s list, made as Keras makes it, from the logs without kmp's scaler entries |
@@ -60,6 +60,7 @@ holding an embedding hands float32 ids on unrounded.
 """
 
 import contextlib
+import operator
 
 import keras
 from keras.src.backend.common.global_state import set_global_attribute
@@ -165,15 +166,13 @@ def nested_layers(layer, *, include_self, recursive):
     return layer._flatten_layers(include_self=include_self, recursive=recursive)
 
 
-def call_takes_training(layer):
-    """Whether `layer.call` has a `training` argument.
-
-    `Layer._call_has_training_arg` (Keras 3.0 on), set from `call`'s
-    signature when the layer is made. `kmp.convert`'s wrapper of a model
-    passes `training=` on only where Keras itself would (a `call` without
-    the argument raises on it).
-    """
-    return layer._call_has_training_arg
+# `call_takes_training(layer)`: whether `layer.call` has a `training`
+# argument. `Layer._call_has_training_arg` (Keras 3.0 on), set from `call`'s
+# signature when the layer is made. `kmp.convert`'s wrapper of a model passes
+# `training=` on only where Keras itself would (a `call` without the argument
+# raises on it). An attribute getter: kmp.Model's TensorFlow step reads it at
+# every step, at no Python frame's cost.
+call_takes_training = operator.attrgetter("_call_has_training_arg")
 
 
 def build_shapes(layer):
@@ -298,15 +297,14 @@ class ModelCheckpointBase(keras.callbacks.ModelCheckpoint):
 # --- the scaler's step (kmp/loss_scale.py, kmp/scaling/_step.py, kmp/backends/*/step.py, kmp/monitor/_steps.py) ---
 
 
-def built_variables(optimizer):
-    """The variables `optimizer` was built with, in Keras' index order.
-
-    `Optimizer._trainable_variables` (Keras 3.0 on): `build` records them,
-    and no public API gives them back. `kmp.LossScaleOptimizer.apply(grads)`
-    without variables applies to them (as Keras' `apply` does), and the
-    monitor names an overflowing gradient by its index among them.
-    """
-    return optimizer._trainable_variables
+# `built_variables(optimizer)`: the variables `optimizer` was built with, in
+# Keras' index order. `Optimizer._trainable_variables` (Keras 3.0 on):
+# `build` records them, and no public API gives them back.
+# `kmp.LossScaleOptimizer.apply(grads)` without variables applies to them (as
+# Keras' `apply` does), the monitor names an overflowing gradient by its
+# index among them, and the stateless step maps them to their values. An
+# attribute getter, as `loss_tracker`: read at every step.
+built_variables = operator.attrgetter("_trainable_variables")
 
 
 def filter_empty_gradients(optimizer, grads, variables):
@@ -402,7 +400,7 @@ def clip_gradients(optimizer, grads):
     applies in its own `apply` (TensorFlow's `IndexedSlices` included). Under
     several replicas kmp applies it to the gradients summed over replicas,
     where Keras would apply it to each replica's share (see
-    `kmp.backends.tensorflow.replicas.clip_summed`).
+    `kmp.backends.tensorflow.step._shares_of_clipped_sum`).
     """
     return optimizer._clip_gradients(grads)
 
@@ -496,14 +494,12 @@ def compute_loss(model, x, y, y_pred, sample_weight):
     )
 
 
-def loss_tracker(model):
-    """The metric in which `model`'s `compute_loss` sums its losses.
-
-    `Trainer._loss_tracker` (Keras 3.0 on): its `count` says whether the
-    step computed a loss at all; a step that was skipped before it did logs
-    the loss of the skipped attempt instead.
-    """
-    return model._loss_tracker
+# `loss_tracker(model)`: the metric in which `model`'s `compute_loss` sums
+# its losses. `Trainer._loss_tracker` (Keras 3.0 on): its `count` says
+# whether the step computed a loss at all; a step that was skipped before it
+# did logs the loss of the skipped attempt instead. An attribute getter, as
+# `call_takes_training`: both train steps read it at every step.
+loss_tracker = operator.attrgetter("_loss_tracker")
 
 
 # --- the train function and the build across workers (kmp/backends/tensorflow/distribute.py, kmp/model.py) ---

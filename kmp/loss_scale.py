@@ -321,8 +321,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """`apply`, told what it is given, with the answer returned as values
         (`kmp.scaling._step.apply_told`): what `apply` runs once it has read
         the step's record, and what kmp.Model's own TensorFlow step calls."""
-        return _scaling_step.apply_told(self, grads, trainable_variables, divide=divide,
-                                        loss=loss, retries_left=retries_left)
+        return _scaling_step.apply_told(self, grads, trainable_variables,
+                                        divide=divide and self.scaling, loss=loss,
+                                        retries_left=retries_left)
 
     def get_config(self):
         config = {

@@ -15,7 +15,7 @@ from _helpers import EPSILON
 from _helpers import float32_compute_dtype
 from benchmarks import harness
 import kmp
-from kmp.backends.tensorflow import replicas as _replicas
+from kmp.backends.tensorflow import step as _tf_step
 
 
 _needs_multi_optimizer = pytest.mark.skipif(
@@ -158,7 +158,7 @@ def test_all_reduce_sum_groups_by_dtype_and_keeps_order(mirrored_strategy):
             tf.constant(3.0, "float32"),
             tf.constant([4.0], "float16"),
         )
-        return _replicas.all_reduce_sum(values)
+        return _tf_step._all_reduce_sum(values)
 
     result = tf.function(lambda: mirrored_strategy.run(replica_values))()
     local = [
@@ -268,13 +268,13 @@ def test_all_gpu_mirrored_strategy_under_xla_trains_and_skips():
 
 def _count_decision_reductions(monkeypatch):
     calls = []
-    all_reduce_sum = _replicas.all_reduce_sum
+    all_reduce_sum = _tf_step._all_reduce_sum
 
     def counting(tensors):
         calls.append(len([t for t in tensors if t is not None]))
         return all_reduce_sum(tensors)
 
-    monkeypatch.setattr(_replicas, "all_reduce_sum", counting)
+    monkeypatch.setattr(_tf_step, "_all_reduce_sum", counting)
     return calls
 
 
@@ -528,3 +528,22 @@ def test_scaled_and_hand_scaled_gradients_are_divided_in_a_tf_function():
     with pytest.warns(UserWarning, match="divided gradients"):
         optimizer.apply([ops.array([8.0 * 2.0])], [w])  # by hand: divided, as in Keras
     np.testing.assert_allclose(np.asarray(w), [-2.0])
+
+
+def test_gradient_values_go_back_sparse_where_they_were_sparse():
+    # The step's math runs on each gradient's values (`values_of`), then puts
+    # them back (`with_values`): a sparse gradient stays sparse, with its
+    # indices, whether its values changed or came back as they were.
+    gradients_module = kmp.backends.get("gradients")
+    sparse = tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([3]), tf.constant([5, 2]))
+    dense = tf.constant([4.0, 8.0])
+    grads = [sparse, None, dense]
+    values = gradients_module.values_of(grads)
+    assert values[0] is sparse.values and values[1] is None and values[2] is dense
+    kept = gradients_module.with_values(grads, values)
+    assert kept[0] is sparse and kept[1] is None and kept[2] is dense
+    halved = gradients_module.with_values(grads, [None if v is None else v / 2 for v in values])
+    assert isinstance(halved[0], tf.IndexedSlices)
+    np.testing.assert_array_equal(halved[0].values.numpy(), [[0.5, 1.0]])
+    np.testing.assert_array_equal(halved[0].indices.numpy(), [3])
+    np.testing.assert_array_equal(halved[2].numpy(), [2.0, 4.0])

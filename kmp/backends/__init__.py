@@ -17,6 +17,7 @@ through `get`, inside the function that needs it (`kmp.scaling._gradients` takes
 `gradients`, which imports nothing of kmp's, at import).
 """
 
+import functools
 import sys
 
 import keras
@@ -24,6 +25,9 @@ import keras
 NAME = keras.backend.backend()
 
 
+# Cached: a step asks for the same modules at every trace and, run eagerly,
+# at every step; a cached answer costs no Python call.
+@functools.cache
 def get(module):
     """Returns the running backend's module `module` ("step", "devices", ...)."""
     name = f"{__name__}.{NAME}.{module}"

@@ -20,13 +20,23 @@ COUNTER_DTYPE = _backend.COUNTER_DTYPE
 COUNTER_MAX = int(np.iinfo(COUNTER_DTYPE).max)
 
 
-# The backend's own functions, called directly: `map_gradients(fn,
-# gradients, keep)` applies `fn` to each dense gradient or to the values of
-# each sparse one (`None` stays `None`), but those kept; `values_of(gradients)`
-# are the tensors of values, a dense gradient itself or a sparse one's
-# `.values`.
-map_gradients = _backend.map_gradients
+# The backend's own functions, called directly: `values_of(gradients)` are
+# the tensors of values, a dense gradient itself or a sparse one's `.values`
+# (`None` stays `None`); `with_values(gradients, values)` puts new values
+# back, a sparse gradient keeping its indices. The math between them is
+# the core's, over all gradients at once (`map_values`).
 values_of = _backend.values_of
+with_values = _backend.with_values
+
+
+def map_values(fn, gradients, keep=None):
+    """`fn` applied to each gradient's values (a dense gradient's own, a
+    sparse one's `.values`), but those whose `keep` is true; `None` stays
+    `None`."""
+    keep = keep or [False] * len(gradients)
+    return with_values(gradients, [
+        v if skip or v is None else fn(v) for v, skip in zip(values_of(gradients), keep)
+    ])
 
 
 def finite_flags(gradients):
@@ -112,4 +122,8 @@ def divide(gradients, divisor, keep=None):
             gradient as it is (a variable Keras overwrites with its
             "gradient", such as a BatchNormalization moving statistic).
     """
-    return map_gradients(lambda t: t / ops.cast(divisor, t.dtype), gradients, keep)
+    keep = keep or [False] * len(gradients)
+    return with_values(gradients, [
+        v if skip or v is None else v / ops.cast(divisor, v.dtype)
+        for v, skip in zip(values_of(gradients), keep)
+    ])

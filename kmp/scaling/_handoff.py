@@ -115,7 +115,9 @@ class StepRecord(threading.local):
         try:
             yield self
         finally:
+            # Nothing traced may outlive the trace.
             self.in_model_step = False
+            self.forget_traced()
 
     def take(self):
         """`(scaled, divided, loss)` of the step so far; clears them."""
@@ -123,9 +125,13 @@ class StepRecord(threading.local):
         if loss is not None:
             loss = backends.get("step").usable_here(loss)
         taken = (self._scaled, self._divided, loss)
+        self.clear()
+        return taken
+
+    def clear(self):
+        """Forgets what the step so far recorded (`take`, unread)."""
         self._scaled, self._loss, self._divided = False, None, False
         self.divided_in_trace = False
-        return taken
 
     def forget_traced(self):
         """Drops every tensor held: nothing traced may outlive its trace."""

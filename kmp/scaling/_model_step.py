@@ -198,11 +198,11 @@ def scaler_logs(model, applied, retrying=False, loss=None):
     logs = {}
     for optimizer in scalers:
         prefix = "" if len(scalers) == 1 else names.get(id(optimizer), optimizer.name) + "_"
+        counters = optimizer.counters  # one read of the counter vector
         if optimizer.scaling:  # a scale fixed at 1 (the guard alone) says nothing
             # The variable's value after the step, never the variable: Keras'
             # eager multi-step loop carries the logs in a tf.data Optional.
             logs[prefix + "loss_scale"] = optimizer.loss_scale
-        counters = optimizer.counters  # one read of the counter vector
         logs[prefix + "skipped_steps"] = counters["skipped_steps"]
         if retrying:
             logs[prefix + "retried_steps"] = counters["retries"]

@@ -141,17 +141,11 @@ COUNTERS = (
 # outlier (`kmp.scaling._spikes`), so the step is skipped although finite.
 # `loss`: the loss the spike rule judged (every replica's sum), recorded in
 # its window after the step; `None` without `skip_spikes`.
+# `applied`: whether the step is applied: finite, and not a spike.
 Decision = collections.namedtuple(
-    "Decision", ["finite", "loss_finite", "nonfinite_gradients", "retry", "spike", "loss"],
-    defaults=(None, None, None),
+    "Decision",
+    ["finite", "loss_finite", "nonfinite_gradients", "retry", "spike", "loss", "applied"],
 )
-
-
-def applied(decision):
-    """Whether the step is applied: finite, and not a loss spike."""
-    if decision.spike is None:
-        return decision.finite
-    return ops.logical_and(decision.finite, ops.logical_not(decision.spike))
 
 
 RULE_SETTINGS = ("dynamic", "growth_factor", "backoff_factor", "growth_interval",

@@ -36,6 +36,13 @@ from kmp.scaling import _spikes
 from kmp import backends
 
 
+def counters_of(value):
+    """The `counters` variable's `value` as a dict of scalars by name
+    (`kmp.scaling._rule.COUNTERS`), as `LossScaleOptimizer.counters` reads
+    it (here without a call into the optimizer's module, once a step)."""
+    return dict(zip(_scaling_rule.COUNTERS, ops.unstack(value)))
+
+
 def accumulation_steps(optimizer):
     """The inner optimizer's `gradient_accumulation_steps`, or `None`."""
     return getattr(optimizer.inner_optimizer, "gradient_accumulation_steps", None) or None
@@ -44,7 +51,7 @@ def accumulation_steps(optimizer):
 def add_state_variable(optimizer, name, shape, dtype, initial):
     # aggregation="none", as Keras' own scaler: every replica computes the
     # same value and writes its own copy, with no merge_call (see
-    # kmp/backends/tensorflow/replicas.py). Only float32 and int64:
+    # kmp/backends/tensorflow/step.py). Only float32 and int64:
     # TensorFlow keeps int32 resource variables in host memory on a GPU,
     # where XLA cannot read them.
     return optimizer.add_variable(
@@ -101,7 +108,8 @@ def apply_told(optimizer, grads, trainable_variables, *, divide, loss, retries_l
         grads: List of gradients (`None` entries are left out).
         trainable_variables: List of variables, or `None` for the ones the
             optimizer was built with.
-        divide: Bool. Whether `grads` carry the loss scale.
+        divide: Bool. Whether `grads` carry the loss scale (false where
+            the scaler does not scale: `LossScaleOptimizer.scaling`).
         loss: The unscaled loss, or `None` where unknown.
         retries_left: Int tensor, or `None`: the retries the caller allows
             this batch (`kmp.scaling._retry`).
@@ -135,8 +143,8 @@ def apply_told(optimizer, grads, trainable_variables, *, divide, loss, retries_l
             f"of a window). Received: gradient_accumulation_steps={steps}"
         )
     return backends.get("step").apply(
-        optimizer, grads, trainable_variables, divide=divide and optimizer.scaling, loss=loss,
-        retries_left=retries_left,
+        optimizer, grads, trainable_variables, divide=divide, loss=loss,
+        retries_left=retries_left, window=steps,
     )
 
 
@@ -229,7 +237,8 @@ def decide(optimizer, finite, loss_finite, nonfinite, loss=None, *, retries_left
             ops.logical_and(ops.logical_not(finite), loss_finite),
             ops.logical_and(retries_left > 0, scale > optimizer.min_scale),
         )
-    return _scaling_rule.Decision(finite, loss_finite, nonfinite, retry, spike, loss)
+    applied = finite if spike is None else ops.logical_and(finite, ops.logical_not(spike))
+    return _scaling_rule.Decision(finite, loss_finite, nonfinite, retry, spike, loss, applied)
 
 
 def state_after(optimizer, scale, counters, decision, flags_before=None, spike_state=None):
@@ -281,7 +290,7 @@ def assign_state(optimizer, decision):
         # Read now: on TensorFlow a variable's value is read where it is
         # used, which would be after the assignments below.
         scale = backends.get("step").snapshot(scale)
-    own = state_after(optimizer, scale, optimizer.counters, decision)
+    own = state_after(optimizer, scale, counters_of(optimizer._counters.value), decision)
     for variable in optimizer.variables:
         if id(variable) in own:
             variable.assign(own[id(variable)])
@@ -371,7 +380,7 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     mapping = list(zip(variables, optimizer_variables))
     with keras.StatelessScope(state_mapping=mapping):
         scale = optimizer._kmp_scale.value
-        counters = optimizer.counters
+        counters = counters_of(optimizer._counters.value)
         flags_before = optimizer._nonfinite_gradients.value
         spike_state = (None if optimizer.skip_spikes is None else
                        (optimizer._spike_window.value, optimizer._spike_counts.value))
@@ -380,7 +389,7 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     )
     decision = decide(optimizer, finite, loss_finite, nonfinite, loss, retries_left=retries_left,
                       scale=scale, spike_state=spike_state)
-    applied = _scaling_rule.applied(decision)
+    applied = decision.applied
     inner_ids = {id(v) for v in inner.variables}
     inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
 

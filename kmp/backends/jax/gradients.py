@@ -10,16 +10,9 @@ kmp's.
 COUNTER_DTYPE = "int32"
 
 
-def map_gradient(fn, gradient):
-    """Applies `fn` to a gradient (`None` stays `None`)."""
-    return None if gradient is None else fn(gradient)
-
-
-def map_gradients(fn, gradients, keep=None):
-    """`map_gradient(fn, g)` for each of `gradients`, but those whose `keep`
-    is true, left as they are."""
-    keep = keep or [False] * len(gradients)
-    return [g if skip or g is None else fn(g) for g, skip in zip(gradients, keep)]
+def with_values(gradients, values):
+    """The new values themselves (JAX's gradients are arrays)."""
+    return list(values)
 
 
 def values_of(gradients):

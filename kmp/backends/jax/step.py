@@ -17,7 +17,6 @@ from keras import ops
 from kmp import _keras_internals
 from kmp.precision import _compensated
 from kmp.scaling import _handoff
-from kmp.scaling import _rule as _scaling_rule
 from kmp.scaling import _step as _scaling_step
 
 # The line a warning asks for (`kmp.scaling._handoff`): JAX's steps are stateless.
@@ -76,7 +75,7 @@ def check_buildable(optimizer):
         )
 
 
-def apply(optimizer, grads, trainable_variables, *, divide, loss, retries_left):
+def apply(optimizer, grads, trainable_variables, *, divide, loss, retries_left, window):
     """`LossScaleOptimizer.apply` on JAX: the pure step, then assigned.
 
     The step runs over every variable the optimizer was built with; those
@@ -85,10 +84,13 @@ def apply(optimizer, grads, trainable_variables, *, divide, loss, retries_left):
     alone, as Keras' `apply` leaves them. A batch is redone by kmp.Model's
     train function, which calls the stateless step (`retries_left` here is
     for its callers alike, and `None` from a loop of the user's own).
+    `window` (the inner optimizer's `gradient_accumulation_steps`) is
+    always `None` here: `check_buildable` refuses one.
 
     Returns:
         The `kmp.scaling._handoff.StepAnswer`.
     """
+    del window
     built = _keras_internals.built_variables(optimizer)
     positions = {id(v): i for i, v in enumerate(built)}
     unknown = [v for v in trainable_variables if id(v) not in positions]
@@ -132,7 +134,7 @@ def _apply_eagerly(optimizer, all_grads, built, trainable_variables, divide, los
     )
     decision = _scaling_step.decide(optimizer, finite, loss_finite, nonfinite, loss,
                                     retries_left=retries_left, scale=scale)
-    finite = _scaling_rule.applied(decision)
+    finite = decision.applied
     if bool(finite):
         unscaled = _scaling_step.unscale(optimizer, grads, built, scale) if divide else grads
         by_id = {id(v): g for v, g in zip(built, unscaled)}

@@ -179,7 +179,7 @@ def train_step(model, state, data, keras_train_step, retries_left=None):
     unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
     # Keras' `compute_loss_and_updates` scaled the loss (`scale_loss`, which
     # notes it for code kmp does not own); this step knows it, by value.
-    optimizer._kmp_record.take()
+    optimizer._kmp_record.clear()
     trainable, optimizer_values, finite, retry = _scaling_step.stateless_step(
         optimizer, optimizer_values, grads, trainable, loss=unscaled_loss,
         divide=optimizer.scaling, retries_left=retries_left,
@@ -245,18 +245,16 @@ def reporting_step(model, step, own):
     def train_step_with_scaler_logs(state, data, retries_left=None):
         # `retries_left`: kmp's train function passes it to its own step.
         kwargs = {} if retries_left is None else {"retries_left": retries_left}
+        # Each scaler forgets what it recorded when the step ends: nothing
+        # traced may outlive the trace.
         with _model_step.inside_model_step(model, own) as scalers:
-            try:
-                mapping = _scaler_state_mapping(model, scalers, state)
-                if not mapping:  # no scaler (float32 without the guard): as Keras runs it
+            mapping = _scaler_state_mapping(model, scalers, state)
+            if not mapping:  # no scaler (float32 without the guard): as Keras runs it
+                logs, state = step(model, state, data, **kwargs)
+            else:
+                with _ScalerState(mapping) as scope:
                     logs, state = step(model, state, data, **kwargs)
-                else:
-                    with _ScalerState(mapping) as scope:
-                        logs, state = step(model, state, data, **kwargs)
-                    scope.assign_updates()
-            finally:
-                for optimizer in scalers:  # nothing traced may outlive the trace
-                    optimizer._kmp_record.forget_traced()
+                scope.assign_updates()
         if isinstance(logs, dict) and len(state) == 4:
             logs = dict(logs, **_scaler_logs(model, state[2], retries_left is not None))
         return logs, state

@@ -9,21 +9,19 @@ import tensorflow as tf
 COUNTER_DTYPE = "int64"
 
 
-def map_gradient(fn, gradient):
-    """Applies `fn` to a dense gradient or to the values of a sparse one
-    (`None`, a variable without a gradient, stays `None`)."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(fn(gradient.values), gradient.indices, gradient.dense_shape)
-    return fn(gradient)
+def with_values(gradients, values):
+    """Each of `gradients` with its values replaced by those in `values`
+    (as `values_of` gives them): a dense gradient is its new values, a
+    sparse one keeps its indices; `None` stays `None`."""
+    return [_with_values(g, v) for g, v in zip(gradients, values)]
 
 
-def map_gradients(fn, gradients, keep=None):
-    """`map_gradient(fn, g)` for each of `gradients`, but those whose `keep`
-    is true, left as they are."""
-    keep = keep or [False] * len(gradients)
-    return [g if skip else map_gradient(fn, g) for g, skip in zip(gradients, keep)]
+def _with_values(gradient, values):
+    if not isinstance(gradient, tf.IndexedSlices):
+        return values
+    if values is gradient.values:  # left as it was (a cast to its own dtype, say)
+        return gradient
+    return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
 
 
 def values_of(gradients):

@@ -5,19 +5,49 @@ The same names as `kmp/backends/jax/step.py`: `apply` (the scaler's
 `apply`), `snapshot`, `outside_functions`, `usable_here`, `traced`,
 `read_once`, `check_buildable` and `ADD_LINE`. The math shared with JAX (the finiteness decision,
 unscaling, the next scale and counters) is `kmp.scaling._step`'s.
+
+Under `tf.distribute` a step runs in one of two places, and `_run_step`
+hides which:
+
+- in the replica context: with no strategy, or a strategy that needs no
+  `merge_call` (MirroredStrategy on GPUs under XLA). Per-replica work runs
+  inline and each replica decides for itself (on all-reduced values, so all
+  decide alike);
+- in the cross-replica context: strategies that need `merge_call`
+  (MirroredStrategy elsewhere, MultiWorkerMirroredStrategy). A `cond` whose
+  branch calls `merge_call` (every optimizer's `apply` does) cannot run in a
+  replica context there, so the step decides in the cross-replica context,
+  as Keras' own LossScaleOptimizer does, and runs per-replica work through
+  `call_for_each_replica`.
+
+Each replica checks its own gradients, and the replicas agree on the flags
+alone (`agree`): read from every local replica in the cross-replica context
+on one machine (as Keras' own scaler does), summed in one small collective
+across workers or without `merge_call`. The gradients themselves are summed
+by the inner Keras optimizer, as it does without kmp; where it clips
+(`clipnorm`, `global_clipnorm`, `clipvalue`) and there are several
+replicas, `_shares_of_clipped_sum` first sums them once more, so that the
+clip applies to the whole batch's gradient, as on one replica.
+
+kmp's own variables use `aggregation="none"`, like Keras' scaler: every
+replica computes the same values and writes its own copy, so no assignment
+needs a `merge_call` (which TensorFlow refuses inside a `cond` on the
+no-merge-call path).
+
+Under XLA the step's branches are selects (`kmp.backends.tensorflow.selects`).
 """
 
 import tensorflow as tf
 from keras import ops
 
 from kmp.precision import _compensated
-from kmp.scaling import _gate
+from kmp.scaling import _gradients
 from kmp.scaling import _handoff
 from kmp import _keras_internals
 from kmp.scaling import _rule as _scaling_rule
 from kmp.scaling import _step as _scaling_step
 from kmp.scaling._settings import CLIPPING
-from kmp.backends.tensorflow import replicas as replicas_module
+from kmp.backends.tensorflow import selects
 
 # The line a warning asks for (`kmp.scaling._handoff`).
 ADD_LINE = ("Add one line inside the tape, `scaled_loss = {attribute}.scale_loss(loss)`, "
@@ -64,21 +94,21 @@ def check_buildable(optimizer):
     return None
 
 
-def apply(optimizer, grads, variables, *, divide, loss, retries_left):
+def apply(optimizer, grads, variables, *, divide, loss, retries_left, window):
     """`LossScaleOptimizer.apply` on TensorFlow (see `_step`).
 
     Returns:
         The `kmp.scaling._handoff.StepAnswer`.
     """
-    finite, retry = replicas_module.run_step(
+    finite, retry = _run_step(
         lambda replicas, *args: _step(optimizer, replicas, *args, divide=divide,
-                                      retries_left=retries_left),
+                                      retries_left=retries_left, window=window),
         grads, variables, loss,
     )
     return _handoff.StepAnswer(finite, retry, loss)
 
 
-def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
+def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, window):
     """One step (or one micro-batch of an accumulated step).
 
     ```
@@ -92,7 +122,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     if bad == 0:
         grads = unscale(grads)
         if clipping and replicas > 1 and not accumulating:
-            total = all_reduce_sum(grads)      # one more collective
+            total = _all_reduce_sum(grads)      # one more collective
             grads = inner_optimizer.clip(total) / replicas
         inner_optimizer.apply(grads)  # clips (a share: no-op), sums, updates
     # else: nothing is applied (a window's accumulators are dropped)
@@ -118,18 +148,19 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
 
     Args:
         optimizer: The `LossScaleOptimizer`.
-        replicas: Where per-replica work runs (see `replicas.run_step`).
+        replicas: Where per-replica work runs (see `_run_step`).
         grads, variables, loss: This replica's gradients, their variables and
             the unscaled loss (`None` when unknown).
         divide: Bool. Whether the gradients are scaled and must be divided.
         retries_left: Int tensor, or `None`: the retries this batch has left.
+        window: Int, or `None`: the inner optimizer's
+            `gradient_accumulation_steps`.
 
     Returns:
         `(applied, retry)`: boolean tensors (`retry` is `None` without
         retries).
     """
     inner = optimizer.inner_optimizer
-    window = _scaling_step.accumulation_steps(optimizer)
     divide_later = divide and not optimizer.min_scale < 1.0
     monitored = optimizer._monitored
     counter_dtype = _scaling_rule.COUNTER_DTYPE
@@ -159,9 +190,9 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         # Per replica: the step's one collective, of the flags (and the
         # loss, for the spike rule) only; none with one replica, and none
         # where all replicas are local (see `replicas`).
-        if replicas_module.num_replicas() == 1:
+        if _num_replicas() == 1:
             return local
-        summed = replicas_module.all_reduce_sum(
+        summed = _all_reduce_sum(
             [ops.cast(ops.logical_not(local[0]), "float32"),
              ops.cast(ops.logical_not(local[1]), "float32")]
             + [ops.cast(value, "float32") for value in local[2:]]
@@ -174,8 +205,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     grads, local = replicas.run(check, grads, variables, loss)
     reduce = lambda: replicas.agree(local, agree)  # noqa: E731
     # Under XLA, in each replica, the step's branches are selects (see
-    # `_apply_or_keep`), a window's included.
-    select = replicas is replicas_module.IN_REPLICA and _keras_internals.in_xla_context()
+    # `kmp.backends.tensorflow.selects`), a window's included.
+    select = replicas is _IN_REPLICA and _keras_internals.in_xla_context()
     if window:
         boundary = ops.equal((_keras_internals.micro_steps(inner) + 1) % window, 0)
         # Mid-window every replica adds its micro-batch: "finite" until the end.
@@ -193,7 +224,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         optimizer, agreed[0], agreed[1], agreed[-1] if monitored else None,
         agreed[2] if spikes else None, retries_left=retries_left,
     )
-    applied = _scaling_rule.applied(decision)
+    applied = decision.applied
 
     # Accumulating, the inner optimizer clips the window's sum, which no
     # single micro-batch holds.
@@ -202,20 +233,30 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
     def apply_unscaled(grads, variables):
         if divide_later:
             grads = _scaling_step.unscale(optimizer, grads, variables, optimizer._kmp_scale.value)
-        grads = replicas_module.summable(grads)  # before clipping: Keras' global
-        if clip_summed:                           # norm refuses mixed dtypes
+        grads = _summable(grads)  # before clipping: Keras' global
+        if clip_summed:          # norm refuses mixed dtypes
             grads = _clip_summed(inner, grads, variables)
+        if not optimizer._kmp_compensation:
+            inner.apply(grads, variables)
+            return
+        # 16-bit variables: their updates in float32, written compensated.
         with _compensated.around_inner_apply(optimizer):
             inner.apply(grads, variables)
 
     if select and not window:
-        _apply_if(applied, lambda: apply_unscaled(grads, variables), inner, variables, grads,
-                  gate=True)
+        selects.apply_if(applied, lambda: apply_unscaled(grads, variables), inner, variables,
+                         grads, gate=True)
         _scaling_step.assign_state(optimizer, decision)
         return applied, decision.retry
+
+    def end_window():  # the scale and counters move at a window's end only
+        _scaling_step.assign_state(optimizer, decision)
+        optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
+
     if select and window:
-        _window_step_by_selects(optimizer, decision, boundary, local[0],
-                                lambda: apply_unscaled(grads, variables), variables, grads, window)
+        selects.window_step_by_selects(optimizer, decision, boundary, local[0],
+                                       lambda: apply_unscaled(grads, variables), variables,
+                                       grads, window, end_window)
         return decision.finite, decision.retry
 
     def skip():
@@ -242,164 +283,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left):
         local,
     )
 
-    def end_window():
-        _scaling_step.assign_state(optimizer, decision)
-        optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
-
     ops.cond(boundary, end_window, lambda: None)
     return decision.finite, decision.retry
-
-
-def _window_step_by_selects(optimizer, decision, boundary, local_finite, apply, variables,
-                            grads, window):
-    """An accumulated step's micro-batch under XLA, `_step`'s window path
-    with selects for its branches: the inner optimizer accumulates (or, at
-    the window's last micro-batch, updates; a `cond` for a sparse gradient,
-    as `_apply_if` says); a discarded window leaves
-    every variable as it was, its micro-steps back at its start and its
-    accumulators zeroed, as do micro-batches after an overflow mid-window;
-    the scale and counters move at the window's end only."""
-    inner = optimizer.inner_optimizer
-    counter_dtype = _scaling_rule.COUNTER_DTYPE
-    _apply_if(decision.finite, apply, inner, variables, grads)
-    micro_steps = _keras_internals.micro_steps(inner)
-    micro_steps.assign(ops.where(decision.finite, micro_steps.value, micro_steps - (window - 1)))
-    discard = ops.logical_not(decision.finite)
-    _keep_where(
-        ops.logical_or(discard, ops.logical_and(ops.logical_not(boundary),
-                                                ops.logical_not(local_finite))),
-        lambda: _keras_internals.reset_gradient_accumulators(inner),
-        list(inner.variables),
-    )
-
-    def end_window():
-        _scaling_step.assign_state(optimizer, decision)
-        optimizer._accumulation_window.assign(ops.zeros((2,), counter_dtype))
-
-    own = [v for v in optimizer.variables if not any(v is w for w in inner.variables)]
-    _keep_where(boundary, end_window, list(variables) + own)
-
-
-def _apply_if(finite, apply, inner, variables, grads, gate=False):
-    """Under XLA: `apply()` where `finite`, as a select (`_apply_or_keep`)
-    or, where a gradient is sparse and no strategy is in use, as a `cond`
-    (see there why). `gate`: the inner optimizer's own writes are gated
-    (`_gated_writes`), outside a strategy."""
-    strategy = tf.distribute.has_strategy()
-    if strategy or not any(isinstance(g, tf.IndexedSlices) for g in grads):
-        _apply_or_keep(finite, apply, inner, variables, gate=gate and not strategy)
-    else:
-        ops.cond(finite, apply, lambda: None)
-
-
-def _apply_or_keep(finite, apply, inner, variables, gate=False):
-    """Runs `apply()` (the inner optimizer's update of `variables`), then
-    keeps each value it wrote only where `finite`: the skip as a select.
-
-    ```
-    before = [v for v in variables + inner.variables]   # values, not copies
-    apply()                                  # runs whatever the gradients hold
-    for v, old in zip(variables + inner.variables, before):
-        v = where(finite, v, old)            # a skipped step changes nothing
-    ```
-
-    With `gate`, each write the inner optimizer makes through its own
-    `assign`, `assign_add` and `assign_sub` (how Keras' optimizers write
-    their slots and variables) is a select instead, `assign(v, where(finite,
-    v + delta, v))`, and a variable written only that way needs no
-    select after: XLA fuses each into the update that computes it, where
-    the select after keeps the old value alive next to the new one and XLA
-    copies each slot to do so (`_gated_writes`).
-
-    Under XLA, where kmp uses it, this is the shape of Keras' own step:
-    each select fuses into the update that feeds it, and the step has no
-    `conditional`. A conditional, even one with an empty branch, survives
-    XLA's passes: XLA:GPU reads its predicate on the host in the middle of
-    the step, its operands (float32 copies of every gradient) must exist
-    before it runs, and, on a strategy's all-GPU path, TensorFlow refuses
-    the `merge_call` an optimizer's `apply` makes inside its branch
-    (keras-team/keras#21366). Without XLA a `cond` stays cheaper: a graph
-    would run the update's ops and every select on each skipped step. So
-    does XLA's conditional where a gradient is sparse (an embedding's
-    `IndexedSlices`, updated by a scatter in place): a select would keep a
-    copy of the whole table and its slots on every step (twice the step's
-    time on `benchmarks.xla_step`'s Embedding(200000, 64) on a CPU), and
-    XLA keeps Keras' own step's conditional there too. Under a strategy it
-    is a select all the same: a `cond` would hold the `merge_call`.
-
-    Args:
-        finite: Boolean scalar tensor: keep what `apply` wrote.
-        apply: Callable of no arguments that updates `variables`.
-        inner: The inner Keras optimizer (its slots, iterations, ...).
-        variables: The variables `apply` updates.
-        gate: Bool. Whether to gate `inner`'s own writes.
-    """
-    _keep_where(finite, apply, list(variables) + list(inner.variables),
-                gate=inner if gate else None)
-
-
-def _keep_where(keep, run, guarded, gate=None):
-    """Runs `run()`, then keeps what it wrote to the `guarded` variables only
-    where `keep` (a select per variable; one `run` did not write reads back
-    as it was, and XLA drops that select). Given an optimizer, `gate`, the
-    writes it makes through its own methods are gated instead, and the
-    variables written only so are left as `run` wrote them."""
-    before = [snapshot(v.value) for v in guarded]
-    if gate is None:
-        run()
-        gated = set()
-    else:
-        gated = _gated_writes(gate, keep, run)
-    for variable, value in zip(guarded, before):
-        if id(variable.value) not in gated:
-            variable.assign(ops.where(keep, variable.value, value))
-
-
-# Ops that take a variable's handle and only read it. Any other op that takes
-# one (an assign or scatter outside the gate, a `cond`, `while` or call whose
-# body may write) counts as writing it.
-_READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "VariableShape",
-                    "ResourceGather", "ResourceGatherNd"})
-_GATED = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
-
-
-def _gated_writes(optimizer, keep, run):
-    """Runs `run()` with `optimizer`'s own writes gated by `keep`
-    (`kmp.scaling._gate`); returns the `id`s of the `tf.Variable`s every
-    write of which in `run` was gated.
-
-    Each gated write runs in a name scope of its own; then every op `run`
-    added to the graph that takes a variable's handle and is not a read is
-    either a gated write (an assign in such a scope) or another write, which
-    leaves that variable to the select after, whatever the gate wrote. A
-    scatter (a sparse value) is written as given and selected after.
-    """
-    graph = _keras_internals.default_graph()
-    scopes = {}  # name scope -> id of the tf.Variable written in it
-
-    def around(variable, value, gated, plain):
-        if isinstance(value, tf.IndexedSlices):
-            return plain()
-        with tf.name_scope("kmp_gated_write") as scope:
-            scopes[scope] = id(_gate.value_of(variable))
-            return gated()
-
-    start = len(graph.get_operations())
-    # Keras' TensorFlow optimizer casts what its `assign_add` is given to
-    # the variable's dtype, then adds in it.
-    with _gate.gated_writes(optimizer, keep, around, casts_before_adding=True):
-        run()
-    gated_handles, written = {}, set()
-    for op in graph.get_operations()[start:]:
-        handles = [t.ref() for t in op.inputs if t.dtype == tf.resource]
-        if not handles or op.type in _READS:
-            continue
-        scope = next((s for s in scopes if op.name.startswith(s)), None)
-        if scope is not None and op.type in _GATED:
-            gated_handles[handles[0]] = scopes[scope]
-        else:
-            written.update(handles)
-    return {variable for handle, variable in gated_handles.items() if handle not in written}
 
 
 def _clips(optimizer):
@@ -409,14 +294,178 @@ def _clips(optimizer):
 
 def _clip_summed(inner, grads, variables):
     """`grads` whose sum over replicas is the clipped sum (see
-    `replicas.clip_summed`); variables Keras overwrites with their
+    `_shares_of_clipped_sum`); variables Keras overwrites with their
     "gradient" are left as they are, as Keras leaves them out of clipping."""
     overwritten = _keras_internals.overwritten_with_gradient(inner, variables)
     clipped = [i for i, v in enumerate(variables) if not overwritten[i]]
-    shares = replicas_module.clip_summed(
+    shares = _shares_of_clipped_sum(
         [grads[i] for i in clipped], lambda total: _keras_internals.clip_gradients(inner, total)
     )
     grads = list(grads)
     for i, share in zip(clipped, shares):
         grads[i] = share
     return grads
+
+
+# --- where per-replica work runs (see the module docstring) ---
+
+
+class _InReplica:
+    """Per-replica work runs inline; values are this replica's own."""
+
+    @staticmethod
+    def run(fn, *args):
+        return fn(*args)
+
+    @staticmethod
+    def first(value):
+        return value
+
+    @staticmethod
+    def agree(flags, collective):
+        """Every replica's decision from its own `flags` (see `_CrossReplica.agree`)."""
+        return collective(flags)
+
+
+# `_run_step`'s `replicas` where per-replica work runs inline.
+_IN_REPLICA = _InReplica
+
+
+class _CrossReplica:
+    """Per-replica work runs on every replica; decisions come from the first."""
+
+    def __init__(self, distribution):
+        self._distribution = distribution
+
+    def run(self, fn, *args):
+        return self._distribution.extended.call_for_each_replica(fn, args=args)
+
+    def first(self, value):
+        # Every replica computed the same value (from all-reduced inputs).
+        return tf.nest.map_structure(
+            lambda v: self._distribution.experimental_local_results(v)[0], value
+        )
+
+    def agree(self, flags, collective):
+        """The decision of all replicas from each one's `flags`.
+
+        `flags`: per replica, booleans that must all hold (the gradients and
+        the loss are finite), the float32 loss where the spike rule needs it
+        (summed), then int64 indicators (which variables overflowed). On one
+        machine every replica is local here, in the cross-replica context:
+        they are combined without a collective, as Keras' own scaler reads
+        them. Across workers, `collective` (run on
+        every replica) sums them.
+        """
+        if isinstance(self._distribution, tf.distribute.MultiWorkerMirroredStrategy):
+            return self.first(self.run(collective, flags))
+        local = [self._distribution.experimental_local_results(f) for f in flags]
+        return tuple(
+            ops.all(ops.stack(values)) if values[0].dtype == tf.bool
+            # A float (the loss, for the spike rule) is every replica's, summed.
+            else ops.sum(ops.stack(values), axis=0) if values[0].dtype.is_floating
+            else ops.max(ops.stack(values), axis=0)
+            for values in local
+        )
+
+
+def _run_step(step, *args):
+    """Calls `step(replicas, *args)` where the current strategy lets it branch.
+
+    Args:
+        step: Callable taking `replicas`, an object with `run(fn, *args)`
+            (runs `fn` on every replica, returning per-replica results) and
+            `first(value)` (one replica's value of a per-replica result),
+            then `args`. What it returns, `_run_step` returns.
+        *args: This replica's tensors (gradients, variables...). In the
+            cross-replica context `step` receives every replica's, merged.
+
+    Raises:
+        ValueError: if called in a cross-replica context.
+    """
+    if not tf.distribute.has_strategy():
+        return step(_InReplica, *args)
+    if tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            "`apply()` must be called in a replica context (inside "
+            "`strategy.run`), not in a cross-replica context."
+        )
+    if _keras_internals.supports_no_merge_call():
+        return step(_InReplica, *args)
+    return tf.distribute.get_replica_context().merge_call(
+        lambda distribution, *merged: step(_CrossReplica(distribution), *merged), args=args
+    )
+
+
+def _num_replicas():
+    """The number of replicas in sync (1 outside a strategy)."""
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
+def _all_reduce_sum(tensors):
+    """Sums `tensors` over replicas: one collective per dtype, order kept.
+
+    A single `all_reduce` packs its tensors into one buffer, which fails on
+    mixed dtypes (a float16 variable's gradient beside float32 ones); one call
+    per dtype keeps the number of collectives at one for the usual model.
+    `None` entries pass through.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return list(tensors)
+    groups = {}
+    for index, tensor in enumerate(tensors):
+        if tensor is not None:
+            groups.setdefault(tensor.dtype, []).append(index)
+    reduced = list(tensors)
+    for indices in groups.values():
+        summed = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, [tensors[i] for i in indices]
+        )
+        for i, value in zip(indices, summed):
+            reduced[i] = value
+    return reduced
+
+
+def _shares_of_clipped_sum(grads, clip):
+    """Each replica's share of `clip(grads summed over replicas)`.
+
+    Keras' optimizer clips each replica's gradients, then sums them over
+    replicas: with two replicas a whole-batch gradient of 4 clipped at 2
+    would step by 4. Here the replicas' gradients are summed first (one
+    `_all_reduce_sum`), the sum is clipped once with `clip`, and each replica
+    gets `clipped / num_replicas`: what the inner optimizer then sums is the
+    clipped whole-batch gradient, and its own per-replica clip leaves each
+    share as it is (a share's norm and values are within the limit).
+
+    Args:
+        grads: List of this replica's gradients (no `None`).
+        clip: Callable taking and returning a list of gradients: the inner
+            optimizer's clipping rule.
+
+    Returns:
+        A list of gradients in the same order. With one replica, `grads`
+        unchanged (the inner optimizer clips them as they are).
+    """
+    replicas = _num_replicas()
+    if replicas == 1:
+        return grads
+    clipped = clip(_all_reduce_sum(grads))
+    return _gradients.map_values(lambda t: t / ops.cast(replicas, t.dtype), clipped)
+
+
+def _summable(grads):
+    """`grads` as the inner Keras optimizer can sum them over replicas.
+
+    Keras' optimizer sums all gradients in one `all_reduce`, which TensorFlow
+    refuses for mixed dtypes (a float16 variable's gradient beside float32
+    ones): with several replicas such gradients are handed over in float32
+    (each Keras update step casts its gradient to its variable's dtype).
+    """
+    if _num_replicas() == 1:
+        return grads
+    dtypes = {g.dtype for g in _gradients.values_of(grads) if g is not None}
+    if len(dtypes) < 2:
+        return grads
+    return _gradients.map_values(lambda t: ops.cast(t, "float32"), grads)

@@ -185,11 +185,11 @@ def train_step(model, data, keras_train_step, retries_left=None):
         # skipped one, as on JAX (Keras' mean of no step would be 0).
         logs = _model_step.uncounted_epoch_logs(
             logs, _keras_internals.loss_tracker(model).count > 0, own)
-    if retries_left is not None:
-        logs.update(_retry.attempt_logs(answer.retry, answer.finite))
     # `retried_steps` where batches can be redone.
     logs.update(_model_step.scaler_logs(
         model, [optimizer], retries_left is not None, loss=answer.loss))
+    if retries_left is not None:
+        logs.update(_retry.attempt_logs(answer.retry, answer.finite))
     return logs
 
 

@@ -202,3 +202,44 @@ def test_the_only_cycles_through_backends_get_are_the_drawn_inversions():
     # What the check relies on: an import back from a core module is found.
     graph["kmp.policy"] = graph["kmp.policy"] | {"kmp.model"}
     assert any("kmp.policy" in cycle for cycle in _cycles(graph))
+
+
+def _kmp_file_changes_in_one_fit_step():
+    """How often one eager fit step passes from one kmp file to another:
+    each call into kmp code (comprehensions included) whose file is not the
+    previous call's, from kmp.Model's `train_step` on."""
+    import sys
+
+    import numpy as np
+
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse", run_eagerly=True)
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # built, the scale settled
+    files = []
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(str(_KMP)):
+            files.append((path, frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    finally:
+        sys.setprofile(None)
+    start = next(i for i, (_, name) in enumerate(files) if name == "train_step")
+    step = [path for path, _ in files[start:]]
+    return sum(1 for a, b in zip(step, step[1:]) if a != b), len(set(step))
+
+
+def test_one_fit_step_changes_kmp_file_at_most_40_times():
+    # A step that jumps between many files is read in as many (issue 47:
+    # 78 changes of file at ed5fbdd, 66 on TensorFlow and 55 on JAX before
+    # the step's replicas joined it; 40 and 39 at 324298b). Counted with
+    # sys.setprofile over a second fit of one batch, run eagerly.
+    changes, files = _kmp_file_changes_in_one_fit_step()
+    assert changes <= 40, (changes, files)
+    assert files >= 10  # the count saw the step: its model, scaler, rule, backend...

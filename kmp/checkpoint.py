@@ -29,9 +29,11 @@ silently; the recorded SHA-256 is checked before anything is loaded.
 Each process writes and reads one folder of its own, F: `backup_dir` for a
 single process and for the chief of a `MultiWorkerMirroredStrategy`
 cluster, `backup_dir/<task type>-<task id>` (e.g. `worker-1`) for the other
-workers. One `backup_dir` shared by all workers and one `backup_dir` per
-worker therefore behave the same: no process writes, prunes or deletes a
-file in another process's folder.
+workers; among JAX processes joined by `jax.distributed`, `backup_dir` for
+process 0 and `backup_dir/process-<index>` for the others. One `backup_dir`
+shared by all workers and one `backup_dir` per worker therefore behave the
+same: no process writes, prunes or deletes a file in another process's
+folder.
 
 ```
 train begin: create F, lock F/kmp-backup.lock (flock, not following links;
@@ -57,8 +59,10 @@ restore: read F/training_metadata.json (a regular file, not a link); every
          several workers: all-gather each worker's latest and previous
              backup numbers and restore number m = the newest every worker
              holds (see below)
-         check the SHA-256 of the file, then load it strictly: any variable
-             Keras would skip (a mismatch) is an error, not a warning
+         check the SHA-256 of the file (JAX processes: all-gather whether
+             each file passed, before any loads: loading is a collective),
+             then load it strictly: any variable Keras would skip (a
+             mismatch) is an error, not a warning
          several workers: all-gather whether each restore succeeded, so all
              raise or none does
 train end (delete_checkpoint=True): delete F's metadata, backups, partial
@@ -206,7 +210,10 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     another's holds one backup less), so all resume from the same state.
     For that agreement each worker keeps its previous backup as well, as
     with `double_checkpoint=True`; a backup that cannot be restored on any
-    worker is an error on every worker.
+    worker is an error on every worker. On JAX the workers are the
+    processes joined by `jax.distributed.initialize` (process 0 writes to
+    `backup_dir`, process i to `backup_dir/process-<i>`), which agree
+    through JAX's own all-gathers.
 
     The folder is trusted with nothing but what this callback wrote there.
     The metadata is checked key by key (a wrong key, type or value is a
@@ -307,7 +314,7 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         self._worker = None
 
     def _use_folder_of_this_process(self):
-        # No `distribute_strategy` on JAX: one process, one folder.
+        # No `distribute_strategy` on JAX: the workers are JAX's processes.
         self._worker = _this_worker(getattr(self.model, "distribute_strategy", None))
         if self._worker is None or self._worker[1]:
             self._folder.use(self.backup_dir)
@@ -330,13 +337,19 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
                 folder.candidates(), self._restore, folder.commit_restored, folder.path
             )
             return
-        strategy, (task, _) = self.model.distribute_strategy, self._worker
+        strategy, (task, _) = getattr(self.model, "distribute_strategy", None), self._worker
         _backup_choice.restore_agreed(
             folder.candidates,
             self._restore,
             folder.commit_restored,
             lambda value: _gather_from_workers(strategy, task, value),
             self.backup_dir,
+            # Loading is a collective there: every worker's file is checked
+            # and agreed on before any worker loads.
+            check=(
+                lambda candidate: _backup_restore.check_backup(
+                    folder, candidate, self.backup_dir, warn_unchecked=False)
+            ) if backends.get("workers").LOADING_IS_COLLECTIVE else None,
         )
 
     def _restore(self, candidate):

@@ -165,8 +165,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.min_scale, self.max_scale = float(min_scale), float(max_scale)
         self.skip_spikes = None if skip_spikes is None else float(skip_spikes)
         self.spike_window, self.spike_warmup = int(spike_window), int(spike_warmup)
-        # Set while a kmp.callbacks.LossScaleMonitor watches training: only
-        # then does a traced step record which variables overflowed.
+        # Set while a LossScaleMonitor watches: a traced step then flags overflowing variables.
         self._monitored = False
         object.__setattr__(self, "_warned", set())
         object.__setattr__(self, "_kmp_record", _handoff.StepRecord())
@@ -254,9 +253,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def get_scaled_loss(self, loss):
         """tf.keras' name for `scale_loss`; a callable `loss` gives a callable."""
-        if callable(loss):
-            return lambda: self.scale_loss(loss())
-        return self.scale_loss(loss)
+        return (lambda: self.scale_loss(loss())) if callable(loss) else self.scale_loss(loss)
 
     def get_unscaled_gradients(self, grads):
         """Returns `grads` divided by the current loss scale (tf.keras' recipe).
@@ -264,9 +261,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `apply_gradients` then checks them, skips a non-finite step and
         updates the scale, but does not divide again. `None` entries pass.
         """
-        if not self.scaling:
-            return list(grads)
         grads = list(grads)
+        if not self.scaling:
+            return grads
         scale = self.loss_scale
         if any(g is not None and backends.get("step").read_once(g, scale) for g in grads):
             raise ValueError(_handoff.read_once_error(self, "get_unscaled_gradients"))
@@ -282,13 +279,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         with keras.StatelessScope(state_mapping=list(zip(self.variables, optimizer_variables))):
             return self.scale_loss(loss)
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables, *, loss=None):
         """`apply` as a pure function of values, as Keras' JAX trainer calls it.
 
-        Returns `(new_trainable_values, new_optimizer_values)`; a skipped step
-        gives the weights and the inner optimizer's values back as they were.
+        Args:
+            optimizer_variables, grads, trainable_variables: Lists of values.
+            loss: Optional tensor. The unscaled loss: a non-finite one is a
+                forward overflow, as in `fit`. Defaults to `None`.
+
+        Returns:
+            `(new_trainable_values, new_optimizer_values)`, as given if skipped.
         """
-        return _scaling_step.stateless_apply(self, optimizer_variables, grads, trainable_variables)
+        values = (optimizer_variables, grads, trainable_variables)
+        return _scaling_step.stateless_apply(self, *values, loss=loss)
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars)
@@ -318,12 +321,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return answer.finite
 
     def _kmp_apply(self, grads, trainable_variables, *, divide, loss, retries_left=None):
-        """`apply`, told what it is given, with the answer returned as values
-        (`kmp.scaling._step.apply_told`): what `apply` runs once it has read
-        the step's record, and what kmp.Model's own TensorFlow step calls."""
-        return _scaling_step.apply_told(self, grads, trainable_variables,
-                                        divide=divide and self.scaling, loss=loss,
-                                        retries_left=retries_left)
+        """`apply` once it has read the step's record, answering with values
+        (`kmp.scaling._step.apply_told`); what kmp.Model's TensorFlow step calls."""
+        return _scaling_step.apply_told(self, grads, trainable_variables, loss=loss,
+                                        divide=divide and self.scaling, retries_left=retries_left)
 
     def get_config(self):
         config = {
@@ -345,3 +346,4 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
+

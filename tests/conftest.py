@@ -41,9 +41,11 @@ JAX_TESTS = (
     "test_modes.py",
     "test_compensated.py",
     "test_bfloat16_weights.py",
+    "test_jax_distributed.py",
 )
 # The JAX pass's own files, which the TensorFlow pass leaves out.
-JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py", "test_jax_install.py")
+JAX_ONLY = ("test_jax.py", "test_keras_io_jax.py", "test_without_tensorflow.py", "test_jax_install.py",
+            "test_jax_distributed.py")
 # Keras' own tests ported to kmp (tests/peers/, see its __init__.py): the files
 # whose originals run on every backend run in both passes; the TensorFlow pass
 # runs all of them (tf-keras' files, test_tfkeras_*.py, use TensorFlow itself).
@@ -165,6 +167,12 @@ SLOW = (
     "test_resume.py::test_two_workers_killed_between_their_saves_resume_from_the_same_backup",
     "test_backup_safety.py::test_a_second_run_on_a_folder_in_use_is_refused_and_a_killed_one_resumes",
     "test_cli.py::test_no_gpu_for_device_gpu_exits_4",
+    # Two JAX processes joined by jax.distributed, and eight devices in one:
+    # child processes, 5-20 s each on the busy 2-core CPU.
+    "test_jax_distributed.py::test_two_processes_train_as_one_and_skip_one_processs_overflow_together",
+    "test_jax_distributed.py::test_a_killed_run_resumes_from_one_shared_folder_as_if_uninterrupted",
+    "test_jax_distributed.py::test_processes_an_epoch_apart_resume_the_backup_both_hold",
+    "test_jax_distributed.py::test_model_parallel_keeps_the_layout_map_through_training_saving_and_convert",
     # A child process each: `kmp doctor` on JAX (its benchmark, about 8 s
     # unloaded), and `python -m kmp --help`, which imports TensorFlow.
     "test_cli.py::test_doctor_runs_on_jax_and_reports_what_jax_sees",

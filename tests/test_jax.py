@@ -302,6 +302,51 @@ def test_a_skipped_stateless_step_returns_the_inner_slots_and_weights_unchanged(
         assert int(optimizer.skipped_steps) == 1
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_stateless_apply_given_the_loss_counts_its_overflow_as_fit_counts_it(traced):
+    """A loss that overflowed, with gradients that did too (a forward
+    overflow) or not (a NaN term no weight depends on): given `loss=`, the
+    step is skipped and counted as a forward overflow, as kmp.Model's step
+    counts it; without it, as before, the gradients alone decide."""
+    w = keras.Variable(np.ones((2,), "float32"))
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    optimizer.build([w])
+
+    def step(values, gradient, loss, give_loss):
+        with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
+            optimizer.scale_loss(1.0)  # the step's loss went through scale_loss
+        kwargs = {"loss": loss} if give_loss else {}
+        return optimizer.stateless_apply(values, [gradient], [w.value], **kwargs)
+
+    if traced:
+        step = jax.jit(step, static_argnums=3)
+
+    def after(gradient, loss, give_loss):
+        weights, values = step([v.value for v in optimizer.variables],
+                               np.asarray(gradient, np.float32), np.float32(loss), give_loss)
+        with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
+            counters = {k: int(v) for k, v in optimizer.counters.items()}
+            return np.asarray(weights[0]), counters, float(optimizer.loss_scale)
+
+    scale = 2.0**15
+    both = ([np.inf, 1.0], np.inf)  # loss and gradients overflowed
+    nan_term = ([scale, scale], np.nan)  # finite gradients (1 each, unscaled)
+    for gradient, loss in (both, nan_term):
+        weights, counters, new_scale = after(gradient, loss, give_loss=True)
+        np.testing.assert_array_equal(weights, [1.0, 1.0])
+        assert (counters["skipped_steps"], counters["forward_overflows"]) == (1, 1)
+        assert counters["consecutive_forward_overflows"] == 1 and new_scale == scale / 2
+    weights, counters, _ = after(*both, give_loss=False)
+    assert (counters["skipped_steps"], counters["forward_overflows"]) == (1, 0)
+    weights, counters, new_scale = after(*nan_term, give_loss=False)
+    np.testing.assert_array_equal(weights, [0.5, 0.5])  # applied: the loss was not seen
+    assert counters["skipped_steps"] == 0 and new_scale == scale
+    # A finite loss changes nothing.
+    weights, counters, _ = after([scale, scale], 1.0, give_loss=True)
+    np.testing.assert_array_equal(weights, [0.5, 0.5])
+    assert counters["skipped_steps"] == 0
+
+
 def test_stateless_apply_needs_a_built_optimizer():
     optimizer = kmp.LossScaleOptimizer("sgd")
     with pytest.raises(ValueError, match="must be built"):

@@ -77,7 +77,7 @@ def restore_newest(candidates, restore, commit, folder):
         )
 
 
-def restore_agreed(read_candidates, restore, commit, gather, backup_dir):
+def restore_agreed(read_candidates, restore, commit, gather, backup_dir, check=None):
     """Restores the same backup on every worker: the newest one that
     every worker holds (as its latest or its previous backup).
 
@@ -85,7 +85,11 @@ def restore_agreed(read_candidates, restore, commit, gather, backup_dir):
     on every worker: the latest backup numbers, the previous ones, then
     whether each restore succeeded, so that a worker that cannot restore
     stops every worker, not only itself (rather than leaving them waiting
-    for it in a collective).
+    for it in a collective). With `check`, one more before the restore:
+    whether each worker's backup passed `check`; where loading is itself a
+    collective (JAX places each value on every process's devices at once),
+    a worker that cannot load its file must stop every worker before any
+    starts to load, or the others would wait for it there.
 
     Args:
         read_candidates: Callable returning this worker's metadata entries,
@@ -95,6 +99,8 @@ def restore_agreed(read_candidates, restore, commit, gather, backup_dir):
             latest, when it is older than this worker's latest.
         gather: Callable, the all-gather of one integer over the workers.
         backup_dir: String. The callback's `backup_dir`, for the messages.
+        check: Optional callable checking one entry's file before any worker
+            loads (its checksum). Defaults to `None`: no such round.
 
     Raises:
         ValueError: if the workers hold no backup in common, or a worker
@@ -137,6 +143,18 @@ def restore_agreed(read_candidates, restore, commit, gather, backup_dir):
     chosen = next(
         (c for c in candidates if _backup_records.backup_number(c) == target), None
     )
+    if check is not None:
+        if chosen is not None:
+            try:
+                check(chosen)
+            except (OSError, ValueError) as check_error:
+                error = check_error
+        checked = gather(error is None)
+        if error is not None:
+            raise error
+        failed = sorted(name for name, ok in checked.items() if not ok)
+        if failed:
+            raise _other_workers_failed(failed, f"restore backup {target}", backup_dir)
     if chosen is not None:
         try:
             restore(chosen)

@@ -42,6 +42,56 @@ def _open_backup(folder, name, metadata_path):
     return fd, path
 
 
+def check_backup(folder, candidate, backup_dir, *, warn_unchecked=True):
+    """Opens the backup a metadata entry names, without following a link,
+    and checks its SHA-256 against the entry's.
+
+    Args:
+        folder: `_backup_folder.BackupFolder`, where the backup lies.
+        candidate: Dict. The checked metadata entry of the backup.
+        backup_dir: String. The callback's `backup_dir`, for the messages.
+        warn_unchecked: Bool. Warn about a backup without a checksum (an
+            older kmp's). Defaults to `True`.
+
+    Returns:
+        `(os.stat_result, path)` of the file checked.
+
+    Raises:
+        UnsafeBackupError: if the file is a link or not a regular file.
+        ValueError: if the file cannot be read or its SHA-256 differs from
+            the entry's.
+    """
+    metadata_path = folder.metadata_path
+    fd, weights_path = _open_backup(folder.path, candidate["weights"], metadata_path)
+    try:
+        checked = os.fstat(fd)
+        expected = candidate.get("sha256")
+        if expected is None and warn_unchecked:
+            warnings.warn(
+                f"The backup {weights_path!r} has no checksum in "
+                f"{metadata_path!r} (it was written by an older kmp); it is "
+                "restored without an integrity check.",
+                # BackupAndRestore's `_kmp_load_backup`, past `load_backup`,
+                # the choice of backup and the callback's `_restore`.
+                stacklevel=5,
+            )
+        elif expected is not None and _backup_records.sha256_of_fd(fd) != expected:
+            # The digest of what was read is not printed: the file at
+            # this name may not be one kmp wrote.
+            raise ValueError(
+                f"The backup file {weights_path!r} is damaged: its SHA-256 "
+                f"checksum differs from the one "
+                f"{metadata_path!r} recorded ({expected}) when "
+                "the file was written. Resuming from it would continue "
+                "from weights that were never trained. Put back an intact "
+                f"copy of the file, or delete {backup_dir!r} to start "
+                "over."
+            )
+    finally:
+        os.close(fd)
+    return checked, weights_path
+
+
 def load_backup(model, folder, candidate, backup_dir):
     """Checks the file and checksum of the backup a metadata entry names,
     then loads it into `model` strictly.
@@ -58,34 +108,7 @@ def load_backup(model, folder, candidate, backup_dir):
         ValueError: if the file cannot be read, its SHA-256 differs from the
             entry's, or it does not match the model.
     """
-    metadata_path = folder.metadata_path
-    fd, weights_path = _open_backup(folder.path, candidate["weights"], metadata_path)
-    try:
-        checked = os.fstat(fd)
-        expected = candidate.get("sha256")
-        if expected is None:
-            warnings.warn(
-                f"The backup {weights_path!r} has no checksum in "
-                f"{metadata_path!r} (it was written by an older kmp); it is "
-                "restored without an integrity check.",
-                # BackupAndRestore's `_kmp_load_backup`, past the choice of
-                # backup and the callback's `_restore`.
-                stacklevel=4,
-            )
-        elif _backup_records.sha256_of_fd(fd) != expected:
-            # The digest of what was read is not printed: the file at
-            # this name may not be one kmp wrote.
-            raise ValueError(
-                f"The backup file {weights_path!r} is damaged: its SHA-256 "
-                f"checksum differs from the one "
-                f"{metadata_path!r} recorded ({expected}) when "
-                "the file was written. Resuming from it would continue "
-                "from weights that were never trained. Put back an intact "
-                f"copy of the file, or delete {backup_dir!r} to start "
-                "over."
-            )
-    finally:
-        os.close(fd)
+    checked, weights_path = check_backup(folder, candidate, backup_dir)
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
     # Keras opens the file again by its name: it must still be the file
@@ -148,23 +171,33 @@ def _mismatched_variables(model, filepath):
     return "; ".join(parts)
 
 
+def _why_keras_failed(message, limit=1500):
+    """Keras' message about a load that failed, on one line, with the error
+    it gives as an example (the real cause: a shape, a value JAX refused to
+    place on the devices) and without its list of every object that failed;
+    cut to `limit` characters."""
+    message = message.split("List of objects that could not be loaded")[0]
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
 def load_weights_strictly(model, filepath):
     """`model.load_weights`, with any variable Keras could not load (a
     "skipping variable loading" warning in older Keras, an error in newer)
     turned into one error naming the file and the variables that differ: a
     file that lacks the optimizer state, or holds another architecture's,
     must not resume training from a fresh optimizer."""
-    problem = None
+    problem = cause = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             model.load_weights(filepath)
         except ValueError as error:
-            problem = str(error).strip().split("\n")[0]
+            problem, cause = _why_keras_failed(str(error)), error
     for warning in caught:
         message = str(warning.message).strip()
         if "Skipping variable loading" in message or "could not be loaded" in message:
-            problem = problem or message.split("\n")[0]
+            problem = problem or _why_keras_failed(message)
             continue
         warnings.warn_explicit(
             warning.message, warning.category, warning.filename, warning.lineno
@@ -173,9 +206,10 @@ def load_weights_strictly(model, filepath):
         return
     mismatched = _mismatched_variables(model, filepath)
     raise ValueError(
-        f"The backup {filepath!r} does not match the model: "
-        + (f"its variables are another model's ({mismatched}). " if mismatched else "")
+        f"The backup {filepath!r} "
+        + (f"does not match the model: its variables are another model's ({mismatched}). "
+           if mismatched else "could not be loaded into the model. ")
         + f"Keras says: {problem} Refusing to resume from a partial state. "
         "Resume with the model the backup was written by, or delete the "
         "backup directory to start over."
-    ) from None
+    ) from cause

@@ -434,8 +434,9 @@ def as_values(values):
     return [v.value if isinstance(v, keras.Variable) else v for v in values]
 
 
-def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
-    """`LossScaleOptimizer.stateless_apply` (see `stateless_step`)."""
+def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables, loss=None):
+    """`LossScaleOptimizer.stateless_apply` (see `stateless_step`): `loss`,
+    the unscaled loss where the caller gives it, judged with the gradients."""
     if not optimizer.built:
         raise ValueError(
             f"To call `stateless_apply`, {type(optimizer).__name__} must be built: "
@@ -454,6 +455,6 @@ def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
     # outlive its trace.
     optimizer._kmp_record.answer = _handoff.StepAnswer()
     new_trainable, new_values, _, _ = stateless_step(
-        optimizer, optimizer_variables, grads, trainable_variables, divide=divide
+        optimizer, optimizer_variables, grads, trainable_variables, loss=loss, divide=divide
     )
     return new_trainable, new_values

@@ -1,37 +1,73 @@
 """The workers of `kmp.callbacks.BackupAndRestore` on JAX.
 
-kmp runs JAX in one process (Keras' JAX trainer has no multi-worker
-strategy), so there is no cluster: `this_worker` answers `None`, the
-callback keeps one folder, `backup_dir`, and restores the newest backup that
-loads without asking anyone. `gather_from_workers` offers the TensorFlow
-module's all-gather for that one process.
+Several JAX processes joined by `jax.distributed.initialize` (one per host,
+or several on one host) run the same program, and each process runs the
+same `fit`: under `keras.distribution` its jitted step is one program over
+every process's devices. They are the workers of a cluster: each keeps its
+own backup folder and they agree on one backup to restore through
+all-gathers (`kmp/backup/_choice.py`), as TensorFlow's workers do under
+`MultiWorkerMirroredStrategy` (`kmp/backends/tensorflow/workers.py`). These
+are the JAX side of that: which worker this process is (`process-<index>`,
+process 0 the chief), and the all-gather, JAX's own
+(`jax.experimental.multihost_utils.process_allgather`). One process (no
+`jax.distributed`, or a cluster of one) is not a worker: `this_worker`
+answers `None`.
 """
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+# Loading a backup is a collective: each value goes to every process's
+# devices at once (`jax.device_put` onto a sharding over all of them, which
+# also checks that every process gave the same value), so the processes agree
+# that each can load its file before any starts (`kmp/backup/_choice.py`).
+LOADING_IS_COLLECTIVE = True
 
 
 def this_worker(strategy):
-    """`None`: one process, not a worker of a cluster.
+    """`(task name, is chief)` among several JAX processes, else `None`.
 
     Args:
         strategy: Ignored (`None` on JAX, where a model has no
-            `distribute_strategy`).
+            `distribute_strategy`; the processes are JAX's own).
 
     Returns:
-        `None`.
+        `("process-1", False)`, `("process-0", True)`, ...: the process's
+        index (`jax.process_index()`), and whether it is process 0, which
+        writes to `backup_dir` itself; `None` for one process
+        (`jax.process_count() == 1`).
     """
     del strategy
-    return None
+    if jax.process_count() <= 1:
+        return None
+    index = jax.process_index()
+    return f"process-{index}", index == 0
 
 
 def gather_from_workers(strategy, task, value):
-    """`{task: int(value)}`: the all-gather over a cluster of this process.
+    """`{task name: value}` over the JAX processes, `value` an int.
+
+    An all-gather over every process (`process_allgather`); every process
+    must call it at the same point (collectives match by order), which
+    `fit`'s callbacks guarantee.
 
     Args:
         strategy: Ignored.
-        task: String. This process's name.
-        value: Integer (or bool). Its value.
+        task: String. This process's name, as `this_worker` gives it.
+        value: Integer (or bool). This process's value.
 
     Returns:
-        Dict `{task: int(value)}`.
+        Dict from each process's name to its value, as an `int`.
     """
     del strategy
-    return {task: int(value)}
+    if jax.process_count() <= 1:
+        return {task: int(value)}
+    # int32: without `jax_enable_x64` JAX would narrow an int64 itself.
+    values = multihost_utils.process_allgather(np.asarray(int(value), np.int32))
+    # Stacked in the order of `jax.process_index()`.
+    own = jax.process_index()
+    return {
+        task if index == own else f"process-{index}": int(v)
+        for index, v in enumerate(np.ravel(values))
+    }

@@ -10,6 +10,11 @@ import tensorflow as tf
 
 from kmp.backends.tensorflow import distribute
 
+# Loading a backup is local to each worker (its own copy of each mirrored
+# variable), so a worker that cannot load its file stops the others at the
+# all-gather after it (`kmp/backup/_choice.py`).
+LOADING_IS_COLLECTIVE = False
+
 
 def this_worker(strategy):
     """`(task name, is chief)` in a cluster of several workers, else `None`.

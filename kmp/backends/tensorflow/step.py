@@ -264,7 +264,15 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             micro_steps = _keras_internals.micro_steps(inner)
             micro_steps.assign(micro_steps - (window - 1))
 
-    ops.cond(applied, lambda: replicas.run(apply_unscaled, grads, variables), skip)
+    if (not window and replicas is _IN_REPLICA and not tf.distribute.has_strategy()
+            and not tf.executing_eagerly()):
+        # In one replica's graph the skip is a cond that runs as a function:
+        # one op, where lowered it would be a Switch for each tensor it
+        # captures (`_keras_internals.functional_conds`).
+        with _keras_internals.functional_conds():
+            ops.cond(applied, lambda: apply_unscaled(grads, variables), skip)
+    else:
+        ops.cond(applied, lambda: replicas.run(apply_unscaled, grads, variables), skip)
     if not window:
         _scaling_step.assign_state(optimizer, decision)
         return applied, decision.retry

@@ -51,6 +51,7 @@ uses it says more):
 | `Trainer._flatten_metrics_in_order` | `logs_as_list` | `model.py` | `train_on_batch`'s list, made as Keras makes it, from the logs without kmp's scaler entries |
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
 | `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
+| `Variable._autocast` | `following_autocast` | `precision/_compensated.py` | a 16-bit weight Keras made with `autocast=False` (normalization layers' gamma and beta) read in float32 while its update is computed, as the others are |
 | `keras.src.backend.common.variables` (`AutocastScope`, `get_autocast_scope`), `keras.src.backend.common.global_state.set_global_attribute("autocast_scope")` | `autocast` | `precision/_compensated.py` | a bfloat16 variable's update computed in float32 by any Keras optimizer: its `update_step` casts by `variable.dtype`, which Keras' autocast scope makes float32, and reads the variable and its slots as float32 there |
 | `Optimizer._get_variable_index`, `_apply_weight_decay` (shadowed on the instance for one `apply`, `shadowed`), `_use_weight_decay` | `shadowed_optimizer_methods`, `uses_weight_decay` | `precision/_compensated.py` | in that scope TensorFlow's optimizer would look a slot up by a cast value, not its `tf.Variable`; the weight decay of a bfloat16 variable computed in float32 and written compensated, as its update is |
 | `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `backends/tensorflow/distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
@@ -343,6 +344,25 @@ def autocast(dtype):
         yield
     finally:
         set_global_attribute("autocast_scope", previous)
+
+
+@contextlib.contextmanager
+def following_autocast(variable):
+    """For the block, `variable` follows the autocast scope (`autocast`) as
+    a variable made with `autocast=True` does, then is as it was.
+
+    `Variable._autocast` (Keras 3.0 on), set from the `autocast` argument
+    Keras' normalization layers (LayerNormalization, BatchNormalization,
+    GroupNormalization) pass as `False` for gamma and beta: in bfloat16,
+    Keras' optimizers would compute their update in bfloat16 within kmp's
+    float32 scope too (Adam's step 0: `beta_2 ** step` rounds to 1).
+    """
+    previous = variable._autocast
+    variable._autocast = True
+    try:
+        yield
+    finally:
+        variable._autocast = previous
 
 
 @contextlib.contextmanager

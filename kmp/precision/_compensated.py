@@ -91,7 +91,10 @@ def float32_updates(optimizer, buffers):
         indices.setdefault(id(variable), _keras_internals.variable_index(optimizer, variable))
         updating.append(variable)
         try:
-            with _keras_internals.autocast("float32"):
+            # A weight made with autocast=False (a normalization layer's)
+            # is read in float32 here too.
+            with _keras_internals.autocast("float32"), \
+                    _keras_internals.following_autocast(variable):
                 return compute()
         finally:
             updating.pop()

@@ -1,22 +1,44 @@
 """Deployment: serve in a chosen precision, load under another policy.
 
 A model's precision is a property of its layers' dtype policies, not of its
-weights: the variables are float32 under every kmp policy. So the precision a
-model serves or evaluates in can be chosen after training. The rule that says
-which layers follow the new precision is written once, in
+weights: the variables are float32 under every kmp policy but `"bfloat16"`,
+which stores them in bfloat16, and a new precision never converts them. So the
+precision a model serves or evaluates in can be chosen after training. The
+rule that says which layers follow the new precision is written once, in
 `_inference_layer_policy`, and used both by `export` and by `load_model`:
 
 ```
 for each layer (the model itself included, input layers excluded):
     float8 (kmp.float8)                           -> float8 from the new policy
     otherwise quantized, or not floating point    -> left as it is
-    normalization or Softmax                      -> float32
+    normalization or Softmax                      -> float32, over its variables
     computes in float32 under a 16-bit model      -> left in float32 (pinned)
-    otherwise                                     -> the new policy
+    otherwise                                     -> the new policy, over its variables
 ```
 A layer a `kmp.Model` settled in float32 (kmp's float32 layers, `keep_float32`)
 stays in float32 and hands the new compute dtype on (a plain float32 policy
 under `"float32"`).
+
+"Over its variables" (`_over_stored`): the policy computes in the new dtype and
+names the dtype the layer's variables are stored in. A Keras layer casts its
+variables to its compute dtype only when its policy says they are stored in
+another dtype, so a layer whose bfloat16 variables a `"float32"` policy
+described as float32 would hand a convolution bfloat16 filters and float32
+inputs (TensorFlow refuses the mix), and a layer whose float32 variables a
+`"bfloat16"` policy described as bfloat16 would compute in float32 without
+saying so. And the name is what a `.keras` file records and the layer is
+rebuilt with: a bfloat16 layer saved as `"mixed_bfloat16"` would come back with
+float32 variables and its optimizer state dropped (Keras' "Skipping variable
+loading for optimizer"). So:
+
+```
+variables in 16 bits (bfloat16), new compute that dtype  -> "bfloat16"
+variables in 16 bits, another compute (float32, float16) -> _Over16BitVariables:
+                                                            variables read in
+                                                            the compute dtype
+variables float32, new policy "bfloat16"                 -> "mixed_bfloat16"
+otherwise                                                -> the new policy
+```
 """
 
 import contextlib
@@ -65,11 +87,88 @@ def _inference_layer_policy(layer, model_is_16_bit, policy_name):
     if not keras.backend.is_float_dtype(current.compute_dtype):
         return None
     if isinstance(layer, _float32_layers.FLOAT32_LAYER_CLASSES):
-        return "float32"
-    if current.compute_dtype == "float32" and model_is_16_bit:
+        return _over_stored(layer, "float32")
+    if (current.compute_dtype == "float32" and model_is_16_bit
+            and not isinstance(current, _Over16BitVariables)):
         # A float32 layer inside a 16-bit model was pinned there on purpose
         # (an output head, a loss-sensitive block): keep the user's choice.
         return None
+    return _over_stored(layer, policy_name)
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class _Over16BitVariables(keras.DTypePolicy):
+    """The policy of a layer whose variables are stored in 16 bits and that
+    `kmp.export` or `kmp.load_model` makes compute in another dtype.
+
+    Keras has no policy name for float32 (or float16) math over bfloat16
+    variables; this one computes in `compute_dtype` and says its variables
+    are stored as `name`, so the layer reads them in its compute dtype
+    (Keras' autocast) and they stay as they are, 2 bytes each, with their
+    optimizer state. `name` is what a saved config records and Keras
+    rebuilds the layer with (it keeps a policy's name only): a `.keras`
+    round trip keeps the variables' dtype and their optimizer state, and
+    computes as stored until `kmp.load_model(..., policy=...)` chooses again.
+
+    Args:
+        name: String. The 16-bit dtype the layer's variables are stored in:
+            `"bfloat16"` or `"float16"`. Defaults to `"bfloat16"`.
+        compute_dtype: String. The dtype the layer computes in, another
+            float dtype. Defaults to `"float32"`.
+    """
+
+    def __init__(self, name="bfloat16", compute_dtype="float32"):
+        if name not in _float32_layers._16_BIT_DTYPES:
+            raise ValueError(
+                "`name` must be the 16-bit dtype the layer's variables are "
+                f"stored in, one of {list(_float32_layers._16_BIT_DTYPES)}. "
+                f"Received: name={name!r}"
+            )
+        allowed = [d for d in ("float32",) + _float32_layers._16_BIT_DTYPES if d != name]
+        if compute_dtype not in allowed:
+            raise ValueError(
+                f"`compute_dtype` must be a float dtype other than name={name!r}, one "
+                f"of {allowed}. Received: compute_dtype={compute_dtype!r}"
+            )
+        super().__init__(name)
+        self._computes_in = compute_dtype
+
+    @property
+    def compute_dtype(self):
+        return self._computes_in
+
+    def get_config(self):
+        return {"name": self.name, "compute_dtype": self._computes_in}
+
+    def __repr__(self):
+        return (f'<_Over16BitVariables "{self.name}" variables, '
+                f'computing in {self._computes_in}>')
+
+
+def _stored_dtype(layer):
+    """The dtype `layer`'s own float variables are stored in (not those of
+    layers inside it), or `None` where it has none or they differ."""
+    inner = {id(v) for sub in _keras_internals.nested_layers(layer, include_self=False,
+                                                               recursive=True)
+             for v in sub.weights}
+    dtypes = {keras.backend.standardize_dtype(v.dtype) for v in layer.weights
+              if id(v) not in inner and keras.backend.is_float_dtype(v.dtype)}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _over_stored(layer, policy_name):
+    """`policy_name`'s compute dtype, as a policy that names the dtype
+    `layer`'s variables are stored in (the module's "over its variables")."""
+    stored = _stored_dtype(layer)
+    policy = keras.DTypePolicy(policy_name)
+    compute = policy.compute_dtype
+    if stored is None or stored == policy.variable_dtype:
+        return policy_name
+    if stored in _float32_layers._16_BIT_DTYPES:
+        return stored if compute == stored else _Over16BitVariables(stored, compute)
+    if compute == policy.variable_dtype:
+        # "bfloat16" over float32 variables: a mixed policy casts them.
+        return f"mixed_{compute}"
     return policy_name
 
 
@@ -101,11 +200,17 @@ def _inference_policies(model, policy_name):
         else:
             new_policy = _inference_layer_policy(layer, model_is_16_bit, policy_name)
         settled = isinstance(layer.dtype_policy, _float32_layers._Float32Policy)
-        if new_policy is not None and (
-            settled or getattr(new_policy, "name", new_policy) != layer.dtype_policy.name
-        ):
+        if new_policy is not None and (settled or _differs(new_policy, layer.dtype_policy)):
             changed[layer] = new_policy
     return changed
+
+
+def _differs(new_policy, current):
+    """Whether `new_policy` (a name or a policy) stores or computes otherwise
+    than `current` (the name alone does not say: `_Over16BitVariables`)."""
+    if isinstance(new_policy, str):
+        new_policy = keras.DTypePolicy(new_policy)
+    return (new_policy.name, new_policy.compute_dtype) != (current.name, current.compute_dtype)
 
 
 @contextlib.contextmanager
@@ -141,6 +246,9 @@ def export(
     other quantized or non-float layers        -> unchanged
     every other layer                          -> inference_policy
     ```
+    The weights are served as they are stored: a model trained under
+    `"bfloat16"` keeps its bfloat16 weights, and under `"float32"` reads
+    them as float32 (float32 math over the same weights).
 
     So `inference_policy="float32"` exported from a `mixed_float16` model
     gives a graph with no float16 op: the same predictions without float16
@@ -165,7 +273,7 @@ def export(
             `None`: taken from the model's inputs.
         inference_policy: Optional string or `kmp.Policy`. The precision the
             exported graph computes in: `"float32"`, `"mixed_float16"`,
-            `"mixed_bfloat16"` or `"auto"` (chosen, as by
+            `"mixed_bfloat16"`, `"bfloat16"` or `"auto"` (chosen, as by
             `kmp.set_policy("auto")`, for the machine that exports).
             Defaults to `None`: the precision the model computes in now.
         **kwargs: Passed on to Keras' exporter for `format`.
@@ -205,8 +313,8 @@ def export(
         )
     if format == "tf_saved_model":
         _check_tensorflow_installed()
-    # The layers are switched in place: the variables (float32 under every
-    # kmp policy) are shared, so nothing is copied and the export sees
+    # The layers are switched in place: the variables are shared, in the
+    # dtype they are stored in, so nothing is copied and the export sees
     # exactly the trained weights.
     with _inference_layers(model, policy_name):
         if format != "tf_saved_model":
@@ -284,10 +392,16 @@ def _check_tensorflow_installed():
 def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mode=True):
     """Loads a `.keras` (or legacy `.h5`) file and makes it compute under `policy`.
 
-    The weights are float32 under every policy and are loaded unchanged; the
-    layers' compute dtypes follow `policy` by the rule of `kmp.export` (a
-    `mixed_float16` model trained on a GPU evaluates in float32 on a CPU, and
-    the other way round). The compiled optimizer comes back with its state:
+    The weights are loaded as the file holds them, in their dtype (float32,
+    or bfloat16 for a model trained under `"bfloat16"`, whose compensation
+    buffers come back too); the layers' compute dtypes follow `policy` by the
+    rule of `kmp.export` (a `mixed_float16` model trained on a GPU evaluates
+    in float32 on a CPU, and the other way round; bfloat16 weights loaded
+    under `"float32"` are read as float32 and trained on with compensated
+    updates). A policy never converts the weights: a float32 file loaded
+    under `"bfloat16"` computes in bfloat16 over its float32 weights, as
+    under `"mixed_bfloat16"`; `kmp.convert(model, "bfloat16")` stores them in
+    bfloat16. The compiled optimizer comes back with its state:
     a `kmp.LossScaleOptimizer` keeps its scale and counters under every
     policy, so a later load under float16 continues with the same scale. A
     model that now computes in float16 but was saved without loss scaling
@@ -306,7 +420,8 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
         filepath: String or `pathlib.Path`. A `.keras` file, or a legacy
             `.h5` file.
         policy: Optional string or `kmp.Policy`. `"float32"`,
-            `"mixed_float16"`, `"mixed_bfloat16"` or `"auto"`. Defaults to
+            `"mixed_float16"`, `"mixed_bfloat16"`, `"bfloat16"` or `"auto"`.
+            Defaults to
             `None`: the policies stored in the file.
         custom_objects: Optional dict. As for `keras.saving.load_model`.
         compile: Bool. Whether to compile the model (and restore the

@@ -180,3 +180,216 @@ def test_kmp_backup_and_restore_resumes_bfloat16_weights_exactly(tmp_path):
     _fit(through, x, y, "graph", epochs=2)
     for ours, theirs in zip(_state(resumed), _state(through), strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+# --- It is kept: served and loaded under another policy ------------------------
+
+
+def _conv_regression(rows=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 6, 4)).astype("float32")
+    return x, np.stack([x[:, :, 0].sum(axis=1), x[:, :, 1].mean(axis=1)], axis=1)
+
+
+def _conv_model():
+    """Conv1D -> LayerNormalization -> Dense: a convolution refuses bfloat16
+    filters with float32 inputs, which a Dense's matmul would promote."""
+    inputs = keras.Input((6, 4))
+    hidden = keras.layers.Conv1D(8, 3, activation="relu")(inputs)
+    hidden = keras.layers.LayerNormalization()(hidden)
+    return kmp.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(hidden)))
+
+
+def _trained_bfloat16_conv_model(path):
+    """A bfloat16 kmp.Model trained 2 epochs by Adam, saved to `path`."""
+    x, y = _conv_regression()
+    with kmp.policy_scope("bfloat16"):
+        model = _conv_model()
+    model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert {keras.backend.standardize_dtype(v.dtype) for v in model.weights} == {"bfloat16"}
+    model.save(path)
+    return model, x, y
+
+
+def _float32_reference(model, x):
+    """`model`'s bfloat16 weights, exactly, in a float32 twin: float32 math."""
+    with kmp.policy_scope("float32"):
+        twin = _conv_model()
+    twin.set_weights([np.asarray(keras.ops.cast(w, "float32")) for w in model.weights])
+    return np.asarray(twin.predict(x, verbose=0))
+
+
+def _served(path, x):
+    import tensorflow as tf
+
+    served = tf.saved_model.load(os.fspath(path))
+    outputs = served.serve(x)
+    assert outputs.dtype == tf.float32
+    signature = served.signatures["serving_default"].structured_input_signature[1]
+    assert [spec.dtype for spec in signature.values()] == [tf.float32]
+    return np.asarray(outputs)
+
+
+def _matmul_dtypes(path):
+    """The dtypes of the SavedModel's matmuls and convolutions (TensorFlow's
+    graph; a JAX export is one XlaCallModule op)."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved_model = saved_model_pb2.SavedModel()
+    with open(os.path.join(path, "saved_model.pb"), "rb") as f:
+        saved_model.ParseFromString(f.read())
+    dtypes = set()
+    for meta_graph in saved_model.meta_graphs:
+        for function in meta_graph.graph_def.library.function:
+            for node in function.node_def:
+                if node.op in ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv1D"):
+                    dtypes.add(tf.as_dtype(node.attr["T"].type).name)
+    return dtypes
+
+
+def test_export_of_bfloat16_weights_serves_float32_in_and_out(tmp_path):
+    pytest.importorskip("tensorflow", reason="a SavedModel is a TensorFlow graph on every backend")
+    from _helpers import assert_close_to_float16_rounding
+
+    model, x, _ = _trained_bfloat16_conv_model(tmp_path / "model.keras")
+    predictions = np.asarray(model.predict(x, verbose=0))
+    reference = _float32_reference(model, x)
+    policies = [layer.dtype_policy for layer in model.layers]
+    for inference_policy in (None, "bfloat16", "mixed_bfloat16", "float32"):
+        path = tmp_path / f"served_{inference_policy}"
+        model.export(path, inference_policy=inference_policy, verbose=False)
+        served = _served(path, x)
+        if inference_policy == "float32":
+            # float32 math over the bfloat16 weights: the float32 twin's
+            # outputs to float32 rounding, and predict's to bfloat16's
+            # (2 roundings a layer, 3 layers).
+            np.testing.assert_allclose(served, reference, rtol=1e-5, atol=1e-5)
+            assert_close_to_float16_rounding(served, predictions, roundings=6, dtype="bfloat16")
+            assert np.max(np.abs(served - predictions)) > 1e-3  # not predict's bfloat16 math
+        elif BACKEND == "tensorflow":
+            # The same bfloat16 math as predict, by the same kernels.
+            np.testing.assert_array_equal(served, predictions)
+        else:
+            # The same bfloat16 math by two engines (JAX's jit, TensorFlow's
+            # XLA through jax2tf): 2 roundings a layer apart at most.
+            assert_close_to_float16_rounding(served, predictions, roundings=6, dtype="bfloat16")
+        if BACKEND == "tensorflow":
+            assert _matmul_dtypes(path) == (
+                {"float32"} if inference_policy == "float32" else {"bfloat16"})
+    # The model is left as it was: its policies, its bfloat16 weights.
+    assert [layer.dtype_policy for layer in model.layers] == policies
+    assert {keras.backend.standardize_dtype(v.dtype) for v in model.weights} == {"bfloat16"}
+    np.testing.assert_array_equal(model.predict(x, verbose=0), predictions)
+
+
+def _optimizer_state(model):
+    """Every optimizer variable by its name (a path's scopes differ between
+    an optimizer built in `fit` and one built in `load_model`), as float32."""
+    state = {"/".join(v.path.split("/")[-2:]): np.asarray(keras.ops.cast(v, "float32"))
+             for v in model.optimizer.variables}
+    assert len(state) == len(model.optimizer.variables)
+    return state
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_load_model_under_another_policy_keeps_the_files_bfloat16_weights_and_trains_on(
+        tmp_path, policy):
+    path = tmp_path / "model.keras"
+    model, x, y = _trained_bfloat16_conv_model(path)
+    loaded = kmp.load_model(path, policy=policy)
+    # The weights and the optimizer's state as the file holds them: bfloat16,
+    # bit for bit, the compensation buffers and the moments included.
+    assert [(v.path, keras.backend.standardize_dtype(v.dtype)) for v in loaded.weights] == [
+        (v.path, "bfloat16") for v in model.weights]
+    for saved, restored in zip(model.weights, loaded.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(keras.ops.cast(restored, "float32")),
+                                      np.asarray(keras.ops.cast(saved, "float32")))
+    saved_state = _optimizer_state(model)
+    assert _optimizer_state(loaded).keys() == saved_state.keys()
+    for name, value in _optimizer_state(loaded).items():
+        np.testing.assert_array_equal(value, saved_state[name], err_msg=name)
+    assert sum("compensation" in name for name in saved_state) == 6
+    compute = {layer.name: layer.compute_dtype for layer in loaded.layers[1:]}
+    if policy == "float32":
+        assert set(compute.values()) == {"float32"}
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), _float32_reference(model, x),
+                                   rtol=1e-5, atol=1e-5)
+    else:
+        assert compute["conv1d"] == compute["dense"] == "bfloat16"
+        assert compute["layer_normalization"] == "float32"
+        np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+    # Training goes on from the file's state: the updates still counted in
+    # float32 and compensated, the weights still bfloat16.
+    iterations = int(loaded.optimizer.iterations)
+    history = loaded.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations) == iterations + 8
+    assert history.history["skipped_steps"] == [0, 0]
+    assert {keras.backend.standardize_dtype(v.dtype) for v in loaded.weights} == {"bfloat16"}
+    moved = _optimizer_state(loaded)
+    for name, value in saved_state.items():
+        if "momentum" in name or "velocity" in name or "compensation" in name:
+            assert np.any(moved[name] != value), name
+    for saved, trained in zip(model.weights, loaded.weights, strict=True):
+        assert np.any(np.asarray(keras.ops.cast(saved, "float32"))
+                      != np.asarray(keras.ops.cast(trained, "float32"))), saved.path
+    on = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # bfloat16 math
+    if policy == "mixed_bfloat16":  # the very same math: bit for bit
+        assert history.history["loss"] == on.history["loss"]
+        for ours, theirs in zip(loaded.weights, model.weights, strict=True):
+            np.testing.assert_array_equal(np.asarray(keras.ops.cast(ours, "float32")),
+                                          np.asarray(keras.ops.cast(theirs, "float32")))
+    else:
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        assert abs(history.history["loss"][-1] - on.history["loss"][-1]) <= (
+            0.05 * on.history["loss"][-1])
+
+    # Saved again, the file still holds bfloat16 weights and their state:
+    # Keras alone loads it as it was trained, computing in bfloat16.
+    loaded.save(tmp_path / "again.keras")
+    again = keras.saving.load_model(tmp_path / "again.keras")
+    assert {keras.backend.standardize_dtype(v.dtype) for v in again.weights} == {"bfloat16"}
+    assert again.get_layer("conv1d").compute_dtype == "bfloat16"
+    for name, value in _optimizer_state(again).items():
+        np.testing.assert_array_equal(value, _optimizer_state(loaded)[name], err_msg=name)
+
+
+def test_a_float32_weights_file_loaded_under_bfloat16_computes_in_bfloat16(tmp_path):
+    # Loading never converts the weights: float32 ones stay float32 and are
+    # read as bfloat16 (as under mixed_bfloat16), not left in float32 math.
+    x, y = _conv_regression()
+    with kmp.policy_scope("mixed_bfloat16"):
+        model = _conv_model()
+    model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model.save(tmp_path / "mixed.keras")
+    loaded = kmp.load_model(tmp_path / "mixed.keras", policy="bfloat16")
+    assert {keras.backend.standardize_dtype(v.dtype) for v in loaded.weights} == {"float32"}
+    assert loaded.get_layer("conv1d").compute_dtype == "bfloat16"
+    assert keras.backend.standardize_dtype(
+        loaded.get_layer("conv1d")(x).dtype) == "bfloat16"
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    if BACKEND == "tensorflow":
+        model.export(tmp_path / "served", inference_policy="bfloat16", verbose=False)
+        assert _matmul_dtypes(tmp_path / "served") == {"bfloat16"}
+
+
+def test_normalization_weights_train_under_bfloat16():
+    # Keras' Layer/Batch/GroupNormalization make gamma and beta with
+    # autocast=False: their update is computed in float32 all the same
+    # (Keras' own bfloat16 Adam leaves them at 1 and 0).
+    x, y = _conv_regression()
+    with kmp.policy_scope("bfloat16"):
+        model = _conv_model()
+    model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    norm = model.layers[2]
+    assert isinstance(norm, keras.layers.LayerNormalization)
+    # Adam's first steps move each weight by about the learning rate, 1e-2
+    # (Keras' own bfloat16 Adam leaves every one exactly at 1 and 0).
+    gamma = np.asarray(keras.ops.cast(norm.gamma, "float32"))
+    beta = np.asarray(keras.ops.cast(norm.beta, "float32"))
+    assert np.all(gamma != 1.0) and np.all(beta != 0.0)
+    assert np.max(np.abs(gamma - 1.0)) > 5e-3 and np.max(np.abs(beta)) > 5e-3

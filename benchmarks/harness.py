@@ -16,16 +16,25 @@ which cannot be split between models sharing a process, so each
 configuration runs again in a child process of its own (`measure_memory`).
 GPU memory is read on TensorFlow only. Op counts (`op_counts`) count the ops
 of a traced TensorFlow graph, so they too are TensorFlow-only.
+
+Two memory figures need no measurement: the bytes a parameter of the weights
+and the optimizer's state (`state_bytes_per_parameter`, from the variables'
+dtypes, in the timing process), and, for a `jit_compile=True` configuration,
+the compiled step's peak from XLA's buffer assignment (`xla_step_buffers`,
+read from the dump of the same child process that measures peak RSS).
 """
 
 import dataclasses
 import gc
+import glob
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -73,9 +82,14 @@ _BASE_CONFIGS = (
     Config("float32", "keras", "float32"),
     Config("keras mixed_float16", "keras", "mixed_float16"),
     Config("keras mixed_bfloat16", "keras", "mixed_bfloat16"),
+    # Keras' own bfloat16 weights: half the memory, but Adam's step is 0
+    # there (docs/policies.md, "bfloat16 weights that train").
+    Config("keras bfloat16", "keras", "bfloat16"),
     Config("kmp mixed_float16", "kmp", "mixed_float16"),
     Config(NO_SCALE, "kmp", "mixed_float16", loss_scale=None),
     Config("kmp mixed_bfloat16", "kmp", "mixed_bfloat16"),
+    # bfloat16 weights whose updates kmp computes in float32 and compensates.
+    Config("kmp bfloat16", "kmp", "bfloat16"),
     Config("kmp auto", "kmp", "auto"),
 )
 
@@ -308,7 +322,8 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
     Returns:
         Dict `label -> {"samples_per_s": median, "repeats": [...], "steps": n,
         "policy": resolved policy, "optimizer": class name, "float8_layers":
-        [float8 layers, Dense and EinsumDense layers]}`; with
+        [float8 layers, Dense and EinsumDense layers], "bytes_per_parameter":
+        `state_bytes_per_parameter`'s dict}`; with
         `gpu_memory_steps`, also `"memory": {"kind": "gpu", "resident_mb",
         "step_peak_mb", "peak_mb"}` (MiB): what building and warming this
         configuration left allocated (weights, optimizer state), the peak
@@ -353,6 +368,7 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
             "optimizer": type(model.optimizer).__name__,
             "float8_layers": _float8_layer_counts(model),
             "model_class": type(model).__name__,
+            "bytes_per_parameter": state_bytes_per_parameter(model),
             "steps": steps,
             "repeats": [],
         }
@@ -397,6 +413,101 @@ def time_workload(workload, configs, *, repeats, chunk_seconds, warmup_steps,
     return info
 
 
+# -- memory: what the weights and the optimizer's state take -------------------
+
+
+def _dtype_bytes(dtype):
+    """Bytes of one element of `dtype` (`"bfloat16"` -> 2, `"int64"` -> 8)."""
+    name = keras.backend.standardize_dtype(dtype)
+    bits = re.search(r"(\d+)$", name)
+    if bits is None:  # bool
+        return 1
+    return int(bits.group(1)) // 8
+
+
+def state_bytes_per_parameter(model):
+    """Bytes a trainable parameter of `model`'s weights and its optimizer's state.
+
+    Counts every weight of the model (trainable or not) and every float
+    variable of its built optimizer that has the shape of a trainable weight:
+    Adam's two moments, SGD's momentum, kmp's compensation buffers. The step
+    counters, learning rate and loss scale, a few bytes in all, are left out. So Adam
+    under `mixed_bfloat16` (float32 weights and moments) is 12.0, and
+    bfloat16 weights with Adam's moments in bfloat16 are 6.0, or 8.0 with
+    kmp's bfloat16 compensation buffer.
+
+    Returns:
+        Dict with `parameters` (trainable parameters), `weights` and
+        `optimizer` (bytes a parameter of each) and `total` (their sum); `None`
+        for what is not a Keras model (a test's stand-in).
+    """
+    if not isinstance(model, keras.Model):
+        return None
+
+    def size(variable):
+        return int(np.prod(variable.shape, dtype=np.int64))
+
+    trainable = list(model.trainable_weights)
+    parameters = sum(size(v) for v in trainable)
+    shapes = {tuple(v.shape) for v in trainable}
+    weights = sum(size(v) * _dtype_bytes(v.dtype) for v in model.weights)
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(trainable)
+    state = sum(size(v) * _dtype_bytes(v.dtype) for v in optimizer.variables
+                if tuple(v.shape) in shapes and keras.backend.is_float_dtype(v.dtype))
+    return {
+        "parameters": parameters,
+        "weights": weights / parameters,
+        "optimizer": state / parameters,
+        "total": (weights + state) / parameters,
+    }
+
+
+# The compiled train step's XLA module: TensorFlow's `one_step_on_data`,
+# JAX's `train_step`.
+_STEP_MODULE = re.compile(r"one_step_on_data|train_step")
+
+
+def xla_step_buffers(folder):
+    """The compiled train step's memory, from XLA's dump in `folder`
+    (`XLA_FLAGS=--xla_dump_to=folder`).
+
+    The peak is what XLA's buffer assignment has live at once ("Stack trace
+    breakdown for peak usage"): the step's arguments (weights, optimizer
+    state, the batch), its activations, gradients and temporaries. Where
+    several train steps were compiled, the largest.
+
+    Returns:
+        Dict with `peak_bytes` and `total_bytes` (the assignment's "Total
+        bytes used": every buffer, reused or not), or `None` where the dump
+        holds no train step.
+    """
+    found = None
+    for path in glob.glob(os.path.join(folder, "*buffer-assignment.txt")):
+        name = os.path.basename(path)
+        if not _STEP_MODULE.search(name):
+            continue
+        # Newer XLA writes the totals and the live ranges to files of their own.
+        stem = name[: -len("-buffer-assignment.txt")]
+        text = ""
+        for suffix in ("-buffer-assignment.txt", "-buffer-assignment-values.txt",
+                       "-live-range.txt"):
+            extra = os.path.join(folder, stem + suffix)
+            if os.path.exists(extra):
+                with open(extra) as dump:
+                    text += dump.read()
+        peak = re.search(r"peak usage: ([\d ]+) bytes", text)
+        total = re.search(r"Total bytes used: (\d+)", text)
+        if peak is None or total is None:
+            continue
+        figures = {"peak_bytes": int(peak.group(1).replace(" ", "")),
+                   "total_bytes": int(total.group(1))}
+        if found is None or figures["peak_bytes"] > found["peak_bytes"]:
+            found = figures
+    return found
+
+
 # -- memory: one child process per configuration ------------------------------
 
 
@@ -416,11 +527,15 @@ def measure_memory(workload, mode, config, *, steps, optimizer="adam"):
 
     The child runs on this process's Keras backend.
 
+    A `jit_compile=True` child also dumps its XLA programs, and the compiled
+    step's buffer assignment gives its peak (`xla_step_buffers`).
+
     Returns:
         Dict with `peak_mb` (VmHWM of the child, which includes the backend
         itself) and `baseline_mb` (VmHWM after importing the backend, Keras and
-        kmp and making the data, before the model was built), or `None` if the
-        child failed.
+        kmp and making the data, before the model was built), and for
+        `jit_compile=True` `xla_step` (`xla_step_buffers`' dict, or `None`);
+        or `None` if the child failed.
     """
     backend = keras.backend.backend()
     command = [
@@ -434,12 +549,18 @@ def measure_memory(workload, mode, config, *, steps, optimizer="adam"):
         JAX_PLATFORMS="cpu",
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(
-        command, capture_output=True, text=True, cwd=root, env=environment
-    )
-    if result.returncode != 0:
-        return None
-    peak = json.loads(result.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as folder:
+        if config.jit_compile:
+            environment["XLA_FLAGS"] = (
+                environment.get("XLA_FLAGS", "") + f" --xla_dump_to={folder}").strip()
+        result = subprocess.run(
+            command, capture_output=True, text=True, cwd=root, env=environment
+        )
+        if result.returncode != 0:
+            return None
+        peak = json.loads(result.stdout.strip().splitlines()[-1])
+        if config.jit_compile:
+            peak["xla_step"] = xla_step_buffers(folder)
     peak["kind"] = "rss"
     return peak
 

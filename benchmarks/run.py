@@ -27,15 +27,20 @@ What it does, per workload (on a CPU: MLP, convnet, Transformer encoder,
 many small variables):
 
 1. builds every configuration in one process: float32; Keras' built-in
-   mixed_float16 (plain `keras.Model`, Keras' `LossScaleOptimizer`) and
-   mixed_bfloat16; kmp mixed_float16, the same with `loss_scale=None`,
-   mixed_bfloat16 and auto; each with `jit_compile` off and on (on only, on JAX);
+   mixed_float16 (plain `keras.Model`, Keras' `LossScaleOptimizer`),
+   mixed_bfloat16 and bfloat16 (bfloat16 weights); kmp mixed_float16, the same
+   with `loss_scale=None`, mixed_bfloat16, bfloat16 (bfloat16 weights whose
+   updates kmp compensates) and auto; each with `jit_compile` off and on (on
+   only, on JAX), and records the bytes a parameter of each one's weights and
+   optimizer state;
 2. warms each up, then times them interleaved (A B C ... A B C ...), each
    repeat a chunk of `train_function` calls on one in-memory batch, and keeps
    the median samples/s;
 3. (full run, or `--memory`) measures memory: on a CPU, the peak resident
    memory of each configuration in a child process of its own, since peak RSS
-   cannot be split between configurations sharing a process; on a GPU (on
+   cannot be split between configurations sharing a process, and for
+   `jit_compile=True` the compiled step's peak from XLA's buffer assignment
+   (the child's `--xla_dump_to` dump); on a GPU (on
    TensorFlow only), the allocator's peak during a few more steps of each
    configuration, reset before each, and what the configuration keeps
    allocated;

@@ -239,6 +239,9 @@ SLOW = (
     "test_bfloat16_weights.py::test_a_nan_record_leaves_weights_buffers_and_moments_as_without_its_batch",
     "test_bfloat16_weights.py::test_a_keras_file_resumes_bit_for_bit_buffers_included",
     "test_bfloat16_weights.py::test_kmp_backup_and_restore_resumes_bfloat16_weights_exactly",
+    # Exports (a SavedModel each; on JAX through jax2tf, ~15 s) and loads under two policies.
+    "test_bfloat16_weights.py::test_export_of_bfloat16_weights_serves_float32_in_and_out",
+    "test_bfloat16_weights.py::test_load_model_under_another_policy_keeps_the_files_bfloat16_weights_and_trains_on",
     # The differential harness's whole table (the fast rows stay in the fast tier).
     "test_modes.py::test_every_mode_applies_what_the_reference_applies_in_the_whole_table",
     "test_keras_trainer.py::test_fit_with_data_adapter",

@@ -200,15 +200,21 @@ def _conv_model():
     return kmp.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(hidden)))
 
 
-def _trained_bfloat16_conv_model(path):
-    """A bfloat16 kmp.Model trained 2 epochs by Adam, saved to `path`."""
+def _trained_conv_model(path, policy="bfloat16", epochs=2):
+    """A kmp.Model made under `policy`, trained by Adam, saved to `path`."""
     x, y = _conv_regression()
-    with kmp.policy_scope("bfloat16"):
+    with kmp.policy_scope(policy):
         model = _conv_model()
     model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    assert {keras.backend.standardize_dtype(v.dtype) for v in model.weights} == {"bfloat16"}
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     model.save(path)
+    return model, x, y
+
+
+def _trained_bfloat16_conv_model(path):
+    """A bfloat16 kmp.Model trained 2 epochs by Adam, saved to `path`."""
+    model, x, y = _trained_conv_model(path)
+    assert {keras.backend.standardize_dtype(v.dtype) for v in model.weights} == {"bfloat16"}
     return model, x, y
 
 
@@ -359,12 +365,7 @@ def test_load_model_under_another_policy_keeps_the_files_bfloat16_weights_and_tr
 def test_a_float32_weights_file_loaded_under_bfloat16_computes_in_bfloat16(tmp_path):
     # Loading never converts the weights: float32 ones stay float32 and are
     # read as bfloat16 (as under mixed_bfloat16), not left in float32 math.
-    x, y = _conv_regression()
-    with kmp.policy_scope("mixed_bfloat16"):
-        model = _conv_model()
-    model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    model.save(tmp_path / "mixed.keras")
+    model, x, _ = _trained_conv_model(tmp_path / "mixed.keras", "mixed_bfloat16", epochs=1)
     loaded = kmp.load_model(tmp_path / "mixed.keras", policy="bfloat16")
     assert {keras.backend.standardize_dtype(v.dtype) for v in loaded.weights} == {"float32"}
     assert loaded.get_layer("conv1d").compute_dtype == "bfloat16"

@@ -143,29 +143,25 @@ def restore_agreed(read_candidates, restore, commit, gather, backup_dir, check=N
     chosen = next(
         (c for c in candidates if _backup_records.backup_number(c) == target), None
     )
-    if check is not None:
+
+    def on_every_worker(step):
+        # `step(chosen)` here, then all agree: any worker's failure stops all.
+        error = None
         if chosen is not None:
             try:
-                check(chosen)
-            except (OSError, ValueError) as check_error:
-                error = check_error
-        checked = gather(error is None)
+                step(chosen)
+            except (OSError, ValueError) as step_error:
+                error = step_error
+        succeeded = gather(error is None)
         if error is not None:
             raise error
-        failed = sorted(name for name, ok in checked.items() if not ok)
+        failed = sorted(name for name, ok in succeeded.items() if not ok)
         if failed:
             raise _other_workers_failed(failed, f"restore backup {target}", backup_dir)
-    if chosen is not None:
-        try:
-            restore(chosen)
-        except (OSError, ValueError) as restore_error:
-            error = restore_error
-    succeeded = gather(error is None)
-    if error is not None:
-        raise error
-    failed = sorted(name for name, ok in succeeded.items() if not ok)
-    if failed:
-        raise _other_workers_failed(failed, f"restore backup {target}", backup_dir)
+
+    if check is not None:
+        on_every_worker(check)
+    on_every_worker(restore)
     if target < latest:
         commit(chosen)
 

@@ -27,8 +27,6 @@ shapes and dtypes matter, so no collective is needed) and, under
 which reduce all the step's logs in one collective.
 """
 
-import functools
-
 import keras
 import tensorflow as tf
 

@@ -122,8 +122,4 @@ def divide(gradients, divisor, keep=None):
             gradient as it is (a variable Keras overwrites with its
             "gradient", such as a BatchNormalization moving statistic).
     """
-    keep = keep or [False] * len(gradients)
-    return with_values(gradients, [
-        v if skip or v is None else v / ops.cast(divisor, v.dtype)
-        for v, skip in zip(values_of(gradients), keep)
-    ])
+    return map_values(lambda v: v / ops.cast(divisor, v.dtype), gradients, keep)

@@ -7,7 +7,7 @@ and XLA:GPU reads its predicate on the host mid-step. So where
 step is a select, as Keras' own step is: `apply_if` for a step,
 `window_step_by_selects` for an accumulation window's micro-batch, each
 write the inner optimizer makes gated by `kmp.scaling._gate`
-(`gated_writes`), and a select after for what the gate cannot reach.
+(`_gated_writes`), and a select after for what the gate cannot reach.
 """
 
 import tensorflow as tf

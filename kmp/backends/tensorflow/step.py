@@ -206,7 +206,8 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
     reduce = lambda: replicas.agree(local, agree)  # noqa: E731
     # Under XLA, in each replica, the step's branches are selects (see
     # `kmp.backends.tensorflow.selects`), a window's included.
-    select = replicas is _IN_REPLICA and _keras_internals.in_xla_context()
+    in_graph = not tf.executing_eagerly()
+    select = replicas is _IN_REPLICA and in_graph and _keras_internals.in_xla_context()
     if window:
         boundary = ops.equal((_keras_internals.micro_steps(inner) + 1) % window, 0)
         # Mid-window every replica adds its micro-batch: "finite" until the end.
@@ -236,9 +237,6 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
         grads = _summable(grads)  # before clipping: Keras' global
         if clip_summed:          # norm refuses mixed dtypes
             grads = _clip_summed(inner, grads, variables)
-        if not optimizer._kmp_compensation:
-            inner.apply(grads, variables)
-            return
         # 16-bit variables: their updates in float32, written compensated.
         with _compensated.around_inner_apply(optimizer):
             inner.apply(grads, variables)
@@ -264,8 +262,7 @@ def _step(optimizer, replicas, grads, variables, loss, *, divide, retries_left, 
             micro_steps = _keras_internals.micro_steps(inner)
             micro_steps.assign(micro_steps - (window - 1))
 
-    if (not window and replicas is _IN_REPLICA and not tf.distribute.has_strategy()
-            and not tf.executing_eagerly()):
+    if not window and replicas is _IN_REPLICA and not tf.distribute.has_strategy() and in_graph:
         # In one replica's graph the skip is a cond that runs as a function:
         # one op, where lowered it would be a Switch for each tensor it
         # captures (`_keras_internals.functional_conds`).

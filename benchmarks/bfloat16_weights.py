@@ -14,7 +14,12 @@ head. Trained 12 epochs at batch 32 by Adam(3e-3), AdamW(3e-3, weight decay
 - float32 (a `kmp.Model`);
 - `mixed_bfloat16` (a `kmp.Model`: float32 weights, bfloat16 compute);
 - `bfloat16` (a `kmp.Model`: bfloat16 weights whose updates kmp computes in
-  float32 and writes with compensation);
+  float32 and writes with Kahan compensation, Adam's moments in bfloat16);
+- `bfloat16 stochastic`: the same, compiled with `compensation="stochastic"`
+  (stochastic rounding, no buffer);
+- `bfloat16 float32 moments`: `bfloat16` with the optimizer's slots (Adam's
+  moments, SGD's momentum) in float32 instead, what the moments' dtype costs
+  (12 bytes a parameter with Adam, as mixed_bfloat16: not a setting kmp offers);
 - Keras' own bfloat16 weights (a `keras.Model` built under
   `keras.config.set_dtype_policy("bfloat16")`, its optimizer Keras' own).
 
@@ -49,7 +54,11 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 
 import kmp  # noqa: E402
 
-PRECISIONS = ("float32", "mixed_bfloat16", "bfloat16", "keras bfloat16")
+PRECISIONS = ("float32", "mixed_bfloat16", "bfloat16", "bfloat16 stochastic",
+              "bfloat16 float32 moments", "keras bfloat16")
+# kmp's policy and compile's `compensation` for each kmp precision.
+_KMP = {"bfloat16 stochastic": ("bfloat16", "stochastic"),
+        "bfloat16 float32 moments": ("bfloat16", "kahan")}
 OPTIMIZERS = {
     "Adam(3e-3)": lambda: keras.optimizers.Adam(3e-3),
     "AdamW(3e-3, weight_decay=1e-2)": lambda: keras.optimizers.AdamW(3e-3, weight_decay=1e-2),
@@ -57,7 +66,8 @@ OPTIMIZERS = {
 }
 _MODES = {
     "full": dict(seeds=(0, 1, 2), epochs=12, hub_epochs=6, rows=None, optimizers=tuple(OPTIMIZERS),
-                 backbone=("mixed_bfloat16", "bfloat16", "keras bfloat16")),
+                 backbone=("mixed_bfloat16", "bfloat16", "bfloat16 stochastic",
+                           "keras bfloat16")),
     "smoke": dict(seeds=(0,), epochs=1, hub_epochs=1, rows=96, optimizers=("Adam(3e-3)",),
                   backbone=("mixed_bfloat16", "bfloat16")),
 }
@@ -98,25 +108,54 @@ def _under(precision, build):
             return build(keras.Model)
         finally:
             keras.config.set_dtype_policy(previous)
-    with kmp.policy_scope(precision):
+    with kmp.policy_scope(_KMP.get(precision, (precision,))[0]):
         return build(kmp.Model)
+
+
+def _compile(model, precision, optimizer):
+    """`model.compile` with `optimizer` as `precision` asks (its
+    `compensation`, or float32 slots)."""
+    if precision == "bfloat16 float32 moments":
+        made = optimizer.add_variable_from_reference
+
+        def float32_slot(reference_variable, name=None, initializer="zeros"):
+            if keras.backend.standardize_dtype(reference_variable.dtype) != "bfloat16":
+                return made(reference_variable, name=name, initializer=initializer)
+            return optimizer.add_variable(
+                reference_variable.shape, initializer=initializer, dtype="float32",
+                name=f"{reference_variable.path.replace('/', '_')}_{name}")
+        optimizer.add_variable_from_reference = float32_slot  # this instance only
+    extra = {} if precision not in _KMP else {"compensation": _KMP[precision][1]}
+    model.compile(optimizer, _loss(), metrics=["accuracy"], **extra)
 
 
 def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def bytes_per_parameter(model):
+    """The bytes of `model`'s trainable weights and its optimizer's
+    variables (slots, buffers and the scaler's few counters) over its
+    trainable parameters."""
+    def size(variables):
+        return sum(int(np.prod(v.shape)) * np.dtype(
+            keras.backend.standardize_dtype(v.dtype)).itemsize for v in variables)
+    parameters = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+    return (size(model.trainable_weights) + size(model.optimizer.variables)) / parameters
+
+
 def transformer_accuracy(data, precision, optimizer, seed, epochs):
-    """Test accuracy of the Transformer trained under `precision`."""
+    """Test accuracy of the Transformer trained under `precision`, and
+    its `bytes_per_parameter`."""
     x_train, x_test, y_train, y_test = data
     keras.utils.set_random_seed(seed)
     with kmp.policy_scope("float32"):
         start = _transformer(keras.Model).get_weights()
     model = _under(precision, _transformer)
     model.set_weights(start)
-    model.compile(OPTIMIZERS[optimizer](), _loss(), metrics=["accuracy"])
+    _compile(model, precision, OPTIMIZERS[optimizer]())
     model.fit(x_train / 16.0, y_train, batch_size=32, epochs=epochs, verbose=0)
-    return float(model.evaluate(x_test / 16.0, y_test, verbose=0)[1])
+    return float(model.evaluate(x_test / 16.0, y_test, verbose=0)[1]), bytes_per_parameter(model)
 
 
 def _bert_classifier():
@@ -146,8 +185,8 @@ def backbone_run(data, precision, epochs, seed=0):
         model = _under(precision, lambda model_class: _bert_classifier())
         model.set_weights(float32_model.get_weights())
     else:
-        model = kmp.convert(float32_model, precision, compile=False)
-    model.compile(keras.optimizers.Adam(1e-3), _loss(), metrics=["accuracy"])
+        model = kmp.convert(float32_model, _KMP.get(precision, (precision,))[0], compile=False)
+    _compile(model, precision, keras.optimizers.Adam(1e-3))
     history = model.fit(_bert_inputs(x_train), y_train, batch_size=32, epochs=epochs, verbose=0)
     return {
         "loss": [float(value) for value in history.history["loss"]],
@@ -172,14 +211,16 @@ def run(mode="full", log=print):
     settings = _MODES[mode]
     data = _digits(settings["rows"])
     started = time.perf_counter()
-    transformer = {}
+    transformer, memory = {}, {}
     for optimizer in settings["optimizers"]:
         for precision in PRECISIONS:
-            accuracies = [
+            runs = [
                 transformer_accuracy(data, precision, optimizer, seed, settings["epochs"])
                 for seed in settings["seeds"]
             ]
+            accuracies = [accuracy for accuracy, _ in runs]
             transformer.setdefault(optimizer, {})[precision] = accuracies
+            memory.setdefault(optimizer, {})[precision] = runs[0][1]
             log(f"[{time.perf_counter() - started:5.0f}s] transformer {optimizer:32s} "
                 f"{precision:15s} {' '.join(f'{a:.4f}' for a in accuracies)}")
     backbone = {}
@@ -194,6 +235,7 @@ def run(mode="full", log=print):
         "epochs": settings["epochs"],
         "hub_epochs": settings["hub_epochs"],
         "transformer": transformer,
+        "bytes_per_parameter": memory,
         "backbone": backbone,
         "seconds": time.perf_counter() - started,
         "machine": platform.processor() or platform.machine(),
@@ -212,6 +254,9 @@ def markdown(results):
     for optimizer, row in results["transformer"].items():
         lines.append(f"| {optimizer} | " + " | ".join(
             ", ".join(f"{a:.4f}" for a in row[precision]) for precision in PRECISIONS) + " |")
+    for optimizer, row in results["bytes_per_parameter"].items():
+        lines.append(f"| {optimizer}: bytes a parameter | " + " | ".join(
+            f"{row[precision]:.2f}" for precision in PRECISIONS) + " |")
     lines += ["", "| BertBackbone, Adam(1e-3) | weights | loss by epoch | test accuracy |",
               "|---|---|---|---:|"]
     for precision, figures in results["backbone"].items():

@@ -111,6 +111,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             custom step through `scale_loss`. Defaults to `None` (off).
         spike_window: Int in [2, 65536]. Defaults to `128`.
         spike_warmup: Int >= 2. Defaults to `64`.
+        compensation: `"kahan"` (a buffer of a 16-bit weight's shape and
+            dtype keeps what rounding its float32 update loses) or
+            `"stochastic"` (a bfloat16 weight rounded up or down at random,
+            no buffer). Defaults to `"kahan"`.
         name: Optional string. The optimizer's name.
         dynamic_growth_steps: Optional int. Keras' name for `growth_interval`.
 
@@ -147,8 +151,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                  min_scale=settings.DEFAULT_MIN_SCALE, max_scale=settings.DEFAULT_MAX_SCALE,
                  clipnorm=None, global_clipnorm=None, clipvalue=None,
                  enabled=True, skip_spikes=None, spike_window=_spikes.DEFAULT_WINDOW,
-                 spike_warmup=_spikes.DEFAULT_WARMUP, name=None, dynamic_growth_steps=None,
-                 **kwargs):
+                 spike_warmup=_spikes.DEFAULT_WARMUP, compensation="kahan", name=None,
+                 dynamic_growth_steps=None, **kwargs):
         settings.check_base_arguments(kwargs)
         growth_interval = settings.resolve_growth_interval(growth_interval, dynamic_growth_steps)
         inner_optimizer = settings.resolve_inner_optimizer(inner_optimizer)
@@ -156,6 +160,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         settings.check_settings(initial_scale, dynamic, growth_factor, backoff_factor, growth_interval,
                         hysteresis, min_scale, max_scale, clipping, enabled)
         settings.check_spike_settings(skip_spikes, spike_window, spike_warmup, inner_optimizer)
+        settings.check_compensation(compensation)
         settings.forward_clipping(inner_optimizer, clipping)
         super().__init__(inner_optimizer, initial_scale=float(initial_scale),
                          dynamic_growth_steps=int(growth_interval), name=name)
@@ -165,6 +170,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.min_scale, self.max_scale = float(min_scale), float(max_scale)
         self.skip_spikes = None if skip_spikes is None else float(skip_spikes)
         self.spike_window, self.spike_warmup = int(spike_window), int(spike_warmup)
+        self.compensation = compensation
         # Set while a LossScaleMonitor watches: a traced step then flags overflowing variables.
         self._monitored = False
         object.__setattr__(self, "_warned", set())
@@ -333,7 +339,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "initial_scale": self.initial_scale,
         }
         names = _scaling_rule.RULE_SETTINGS + settings.CLIPPING + (
-            "enabled", "skip_spikes", "spike_window", "spike_warmup")
+            "enabled", "skip_spikes", "spike_window", "spike_warmup", "compensation")
         return dict(config, **{name: getattr(self, name) for name in names})
 
     @classmethod

@@ -175,7 +175,7 @@ class Model(_keras_internals.ModelBase):
         return (_to_float32(outputs), *rest)
 
     def compile(self, optimizer="rmsprop", *args, loss_scale="auto", overflow_retries="auto",
-                skip_nonfinite="auto", skip_spikes=None, **kwargs):
+                skip_nonfinite="auto", skip_spikes=None, compensation="kahan", **kwargs):
         """`keras.Model.compile`, plus loss scaling and the guard's settings.
 
         Args:
@@ -217,6 +217,8 @@ class Model(_keras_internals.ModelBase):
                 this many standard deviations above the last 128 finite
                 losses' mean (after 64), decided on the device. Defaults to
                 `None` (off).
+            compensation: `"kahan"` (default) or `"stochastic"`: how 16-bit
+                weights are written (see `kmp.LossScaleOptimizer`).
             **kwargs: The other arguments of `keras.Model.compile`.
                 `auto_scale_loss=False` means `loss_scale=None`.
 
@@ -230,20 +232,22 @@ class Model(_keras_internals.ModelBase):
             NotImplementedError: on JAX, under a `tf.distribute` strategy's
                 scope (use `keras.distribution` there).
         """
-        _scaling_compile.check_settings(loss_scale, overflow_retries, skip_nonfinite, skip_spikes)
+        _scaling_compile.check_settings(loss_scale, overflow_retries, skip_nonfinite, skip_spikes,
+                                        compensation)
         backends.get("trainer").check_compile(self, overflow_retries)
         if kwargs.pop("auto_scale_loss", True) is False and loss_scale == "auto":
             loss_scale = None
         optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
         given = optimizer
         optimizer = _scaling_compile.scaler_for(
-            optimizer, self, loss_scale, skip_nonfinite, skip_spikes)
+            optimizer, self, loss_scale, skip_nonfinite, skip_spikes, compensation)
         users_scaler = _scaling_compile.users_scaler(given, optimizer, self)
         previous = getattr(self, "optimizer", None)
         self._kmp_loss_scale = loss_scale
         self._kmp_overflow_retries = overflow_retries
         self._kmp_skip_nonfinite = skip_nonfinite
         self._kmp_skip_spikes = skip_spikes
+        self._kmp_compensation = compensation
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
         # object.__setattr__: Keras would track the optimizer as the model's
         # state. Compared by identity (`_model_step.retries`): an

@@ -835,6 +835,15 @@ def test_bfloat16_weights_benchmark_reports_what_its_runs_measured():
     for accuracies in transformer["Adam(3e-3)"].values():
         assert len(accuracies) == 1 and 0 <= accuracies[0] <= 1
         assert accuracies[0] * 32 == round(accuracies[0] * 32)
+    # Weights + optimizer state (Adam) a parameter: float32 weights and
+    # moments 12; Kahan's bfloat16 weight, buffer and moments 8; stochastic
+    # rounding's, no buffer, 6; float32 moments beside a Kahan weight 12
+    # (the scaler's few counters add a little).
+    memory = results["bytes_per_parameter"]["Adam(3e-3)"]
+    for precision, expected in {"float32": 12, "mixed_bfloat16": 12, "bfloat16": 8,
+                                "bfloat16 stochastic": 6, "bfloat16 float32 moments": 12,
+                                "keras bfloat16": 6}.items():
+        assert memory[precision] == pytest.approx(expected, abs=0.05), precision
     backbone = results["backbone"]
     assert backbone["bfloat16"]["weights"] == ["bfloat16"]  # kmp.convert(model, "bfloat16")
     assert backbone["mixed_bfloat16"]["weights"] == ["float32"]

@@ -51,11 +51,13 @@ def _in_bfloat16(updates):
     return _as_float32(ops.cast(updates, "bfloat16")).astype("float64")
 
 
-def _apply_updates(mode, updates, start=1.0, compensate=True):
+def _apply_updates(mode, updates, start=1.0, compensate=True, stochastic=False):
     """SGD(1.0) given `updates[t]` as the gradient at step t, on a bfloat16
-    variable of `start`s; returns (weight, buffer) as float32 arrays."""
+    variable of `start`s; returns (weight, buffer) as float32 arrays (the
+    buffer stays 0 when the writes are rounded `stochastic`ally)."""
     weight = keras.Variable(np.full(updates.shape[1:], start, "float32"), dtype="bfloat16")
     buffer = _compensated.new_buffer(weight)
+    pairs = [(weight, None if stochastic else buffer)]
     optimizer = keras.optimizers.SGD(1.0)
     optimizer.build([weight])
     step_index = keras.Variable(0, dtype="int32", trainable=False)
@@ -64,7 +66,7 @@ def _apply_updates(mode, updates, start=1.0, compensate=True):
     def step():
         gradient = ops.cast(ops.take(table, step_index, axis=0), "bfloat16")
         if compensate:
-            with _compensated.float32_updates(optimizer, [(weight, buffer)]):
+            with _compensated.float32_updates(optimizer, pairs):
                 optimizer.apply([gradient], [weight])
         else:
             optimizer.apply([gradient], [weight])
@@ -109,6 +111,61 @@ def test_weight_and_buffer_carry_the_float64_sum(mode):
     assert np.max(np.abs(weight - exact)) <= 2.0**-8 + bound
     keras_weight, _ = _apply_updates(mode, updates, compensate=False)
     assert np.max(np.abs(keras_weight - exact)) > bound
+
+
+def _bfloat16_neighbours(x):
+    """The bfloat16 values next to float32 `x` toward zero and away from it
+    (equal where `x` is one), as float32: NumPy's bits, not kmp's."""
+    bits = np.asarray(x, "float32").view("uint32")
+    below = bits & np.uint32(0xFFFF0000)
+    above = np.where(bits == below, below, below + np.uint32(0x10000))
+    return below.view("float32"), above.view("float32")
+
+
+def test_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
+    # 64 draws of 4096 float32 values across many binades (the sign,
+    # subnormals and a carry into the exponent included): each result is
+    # one of the two bfloat16 values around it, and the share rounded away
+    # from zero matches its distance over the step, within 5 standard
+    # deviations (of 64 Bernoulli draws per value, pooled per decile of
+    # the odds); representable values, infinities and zeros stay.
+    rng = np.random.default_rng(0)
+    x = (rng.choice([-1, 1], 4096) * 2.0 ** rng.uniform(-140, 120, 4096)).astype("float32")
+    x[:4] = [1.0 - 2.0**-24, 3.0, np.inf, -0.0]
+    below, above = _bfloat16_neighbours(x)
+    with np.errstate(invalid="ignore"):  # inf - inf
+        step = np.abs(above.astype("float64") - below)
+        odds = np.where(step > 0, np.abs(x - below.astype("float64")) / np.where(step > 0, step, 1),
+                        0)
+    tensor = ops.convert_to_tensor(x)
+    ups = np.zeros(x.shape)
+    for draw in range(64):
+        rounded = _as_float32(_compensated.stochastic_round(
+            tensor, ops.convert_to_tensor([draw, 7], "int32")))
+        assert np.all((rounded == below) | (rounded == above)), x[(rounded != below) & (rounded != above)]
+        ups += rounded != below
+    assert ups[1] == ups[2] == ups[3] == 0
+    for low in np.arange(0.0, 1.0, 0.1):
+        chosen = (odds >= low) & (odds < low + 0.1)
+        expected, draws = odds[chosen].sum() * 64, chosen.sum() * 64
+        spread = np.sqrt(draws * 0.25)
+        assert abs(ups[chosen].sum() - expected) <= 5 * spread, (low, ups[chosen].sum(), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hundred_small_updates_count_when_rounded_stochastically(mode):
+    # The issue's case with no buffer: each of 4096 weights of 1.0 given 100
+    # updates of -1e-4 is a random walk around 0.99 (each write off by at
+    # most a step, 2**-8, right on average): their mean is within 0.004 of
+    # 0.99 (their spread here: 0.006), every mode rounds alike (the seed is the
+    # step and the variable), and Keras' own update stays at 1.0.
+    updates = np.full((100, 4096), 1e-4, "float32")
+    weight, buffer = _apply_updates(mode, updates, stochastic=True)
+    assert abs(weight.mean() - 0.99) <= 0.004, weight.mean()
+    assert np.all(np.abs(weight - 0.99) <= 0.06) and np.all(buffer == 0)
+    assert len(np.unique(weight)) > 3  # not one rounding for all
+    eager, _ = _apply_updates("eager", updates, stochastic=True)
+    np.testing.assert_array_equal(weight, eager)
 
 
 def _regression(rows=256, seed=0):

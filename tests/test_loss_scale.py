@@ -432,6 +432,8 @@ def test_string_inner_optimizer_is_resolved():
         ({"spike_window": 1}, "`spike_window` must be an integer in [2, 65536]"),
         ({"spike_window": 2**17}, "spike_window=131072"),
         ({"spike_warmup": 1}, "`spike_warmup` must be an integer in [2, "),
+        ({"compensation": "Kahan"}, "`compensation` must be one of ('kahan', 'stochastic')"),
+        ({"compensation": None}, "compensation=None"),
     ],
 )
 def test_invalid_arguments_raise_value_error_naming_them(kwargs, argument):
@@ -477,10 +479,12 @@ def test_config_round_trip_keeps_every_argument():
         skip_spikes=4.5,
         spike_window=16,
         spike_warmup=9,
+        compensation="stochastic",
         name="my_scaler",
     )
     config = optimizer.get_config()
     assert (config["skip_spikes"], config["spike_window"], config["spike_warmup"]) == (4.5, 16, 9)
+    assert config["compensation"] == "stochastic"
     restored = keras.saving.deserialize_keras_object(
         keras.saving.serialize_keras_object(optimizer)
     )

@@ -280,6 +280,9 @@ def test_compile_loss_scale_choices():
          "loss_scale='dynamic' (float16 computation)"),
         ({"skip_nonfinite": False, "loss_scale": 256}, "Received: skip_nonfinite=False, "
          "loss_scale=256"),
+        ({"compensation": "round"}, "`compensation` must be one of ('kahan', 'stochastic') "
+         "(how a 16-bit weight keeps what rounding its updates loses). Received: "
+         "compensation='round'"),
     ],
 )
 def test_compile_refuses_guard_settings_and_changes_nothing(kwargs, message):
@@ -300,6 +303,9 @@ def test_compile_refuses_spikes_that_differ_from_the_scaler_passed():
     with pytest.raises(ValueError, match=r"pass `skip_spikes=6.0` to it instead"):
         model.compile(given, "mse", skip_spikes=6.0)
     model.compile(given, "mse", skip_spikes=3.0)  # the same setting: as given
+    assert model.optimizer is given
+    with pytest.raises(ValueError, match=r"pass `compensation='stochastic'` to it instead"):
+        model.compile(given, "mse", compensation="stochastic")
     assert model.optimizer is given
 
 

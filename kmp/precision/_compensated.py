@@ -18,7 +18,12 @@ given 100 updates of -1e-4 stays at 1.0.
   about 16 significant bits, and the weight moves once that sum passes half
   a step; its slots (Adam's moments, in the variable's dtype as Keras makes
   them) are rounded to nearest;
-- the weight decay of such a variable (AdamW's) likewise.
+- the weight decay of such a variable (AdamW's) likewise;
+- or, for a bfloat16 variable given no buffer (`compensation="stochastic"`),
+  each write is rounded stochastically instead (`stochastic_round`): up or
+  down, up with probability the distance to the value below over the step
+  between the two, so that every write is right on average and the weight
+  needs no buffer (2 bytes a parameter less).
 
 Each write goes through the optimizer's own `assign`, so a gate set around
 it (`kmp.scaling._gate`) gates the weight and the buffer alike. Nothing stays
@@ -30,22 +35,65 @@ A `kmp.LossScaleOptimizer` built on 16-bit variables makes their buffers
 weights").
 """
 
+import collections
 import contextlib
 
 import keras
 from keras import ops
 
 from kmp import _keras_internals
+from kmp import backends
 from kmp.scaling import _gate
 
 # The dtypes whose updates are computed in float32.
 LOW_PRECISION = ("bfloat16", "float16")
+# A stochastically rounded write's seed: [the inner optimizer's iterations,
+# the variable's index * _WRITES + which of its writes in the step this is].
+_WRITES = 16
 
 
 def low_precision(variable):
     """Whether `variable` is stored in a 16-bit float dtype (read outside
     any autocast scope)."""
     return keras.backend.standardize_dtype(variable.dtype) in LOW_PRECISION
+
+
+def buffered(variable, compensation):
+    """Whether `variable` (a 16-bit trainable one) gets a Kahan buffer under
+    `compensation`: always but a bfloat16 variable rounded stochastically
+    (float16 is not float32 cut short, so it keeps its buffer)."""
+    return not (compensation == "stochastic"
+                and keras.backend.standardize_dtype(variable.dtype) == "bfloat16")
+
+
+def stochastic_round(value, seed):
+    """`value` (float32) rounded to bfloat16, up or down at random.
+
+    ```
+    bits = bits_of(value)                  # uint32; bfloat16 is its upper half
+    bits = (bits + random(0..2**16 - 1)) & 0xFFFF0000
+    return bfloat16(float32_of(bits))      # exact: the lower half is 0
+    ```
+
+    Up with probability the distance from the bfloat16 value below (toward
+    zero) over the step between the two, so the expected result is `value`
+    itself: a small update moves the weight now and then instead of never
+    (Gupta et al. 2015; Gopher's bfloat16 parameters). A carry into the
+    exponent is the next binade's first value, as it should be.
+
+    Args:
+        value: Float32 tensor.
+        seed: Int32 tensor of 2 values; the same seed, the same rounding.
+
+    Returns:
+        Bfloat16 tensor of `value`'s shape.
+    """
+    bits = backends.get("bits")
+    noise = ops.bitwise_and(bits.random_bits(value.shape, seed),
+                            ops.convert_to_tensor(0xFFFF, "uint32"))
+    rounded = ops.bitwise_and(ops.add(bits.bitcast(value, "uint32"), noise),
+                              ops.convert_to_tensor(0xFFFF0000, "uint32"))
+    return ops.cast(bits.bitcast(rounded, "float32"), "bfloat16")
 
 
 def new_buffer(variable):
@@ -61,7 +109,7 @@ def around_inner_apply(optimizer):
     """`float32_updates` for a `kmp.LossScaleOptimizer`'s inner `apply`,
     with the buffers it built (`kmp.scaling._step.build_state`); nothing
     where it built none."""
-    pairs = optimizer._kmp_compensation
+    pairs = optimizer._kmp_compensated
     if not pairs:
         return contextlib.nullcontext()
     return float32_updates(optimizer.inner_optimizer, pairs)
@@ -76,9 +124,12 @@ def float32_updates(optimizer, buffers):
         optimizer: A built Keras optimizer (not a `kmp.LossScaleOptimizer`:
             its inner optimizer).
         buffers: List of `(variable, buffer)` pairs: the trainable variables
-            written with compensation and their buffers (`new_buffer`).
+            written with compensation and their buffers (`new_buffer`), or
+            `None` for a bfloat16 variable rounded stochastically.
     """
-    buffers = {id(variable): buffer for variable, buffer in buffers}
+    stochastic = {id(variable) for variable, buffer in buffers if buffer is None}
+    buffers = {id(variable): buffer for variable, buffer in buffers if buffer is not None}
+    writes = collections.Counter()  # id(variable) -> its writes so far in this step
     known = {}  # id of what update_step may be given -> the keras.Variable
     for variable in _keras_internals.built_variables(optimizer):
         known[id(variable)] = variable
@@ -133,6 +184,13 @@ def float32_updates(optimizer, buffers):
             value = ops.cast(_gate.value_of(value), "float32")
             buffer = buffers.get(id(target))
             with _keras_internals.autocast(None):
+                if id(target) in stochastic:
+                    index = indices[id(target)] * _WRITES + writes[id(target)] % _WRITES
+                    writes[id(target)] += 1
+                    seed = ops.stack([ops.cast(optimizer.iterations, "int32"),
+                                      ops.convert_to_tensor(index, "int32")])
+                    return own["assign"](variable, stochastic_round(
+                        _gate.written(name, current, value), seed))
                 if buffer is None:
                     return own["assign"](variable, _gate.written(name, current, value))
                 dtype = target.dtype

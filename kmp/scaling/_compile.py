@@ -33,7 +33,8 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 _GUARD = dict(initial_scale=1.0, dynamic=False, min_scale=1.0, max_scale=1.0)
 
 
-def check_settings(loss_scale, overflow_retries, skip_nonfinite, skip_spikes):
+def check_settings(loss_scale, overflow_retries, skip_nonfinite, skip_spikes,
+                   compensation="kahan"):
     """Raises `ValueError` naming the first of compile's scaling arguments
     that is not one of its choices."""
     if loss_scale not in (None, "auto", "dynamic") and (
@@ -63,6 +64,7 @@ def check_settings(loss_scale, overflow_retries, skip_nonfinite, skip_spikes):
             f"Received: skip_nonfinite={skip_nonfinite!r}"
         )
     _settings.check_spike_threshold(skip_spikes)
+    _settings.check_compensation(compensation)
     if skip_nonfinite is False and skip_spikes is not None:
         raise ValueError(
             "`skip_spikes` skips steps through the same guard that skips non-finite ones: "
@@ -79,7 +81,8 @@ def _refuse_unguarded_scaling(received):
     )
 
 
-def scaler_for(optimizer, model, loss_scale="auto", skip_nonfinite="auto", skip_spikes=None):
+def scaler_for(optimizer, model, loss_scale="auto", skip_nonfinite="auto", skip_spikes=None,
+               compensation="kahan"):
     """The optimizer `model` trains with under compile's settings.
 
     ```
@@ -95,9 +98,12 @@ def scaler_for(optimizer, model, loss_scale="auto", skip_nonfinite="auto", skip_
                                         skip_spikes is set; else as given
     ```
 
+    Every scaler made here gets `skip_spikes` and `compensation`.
+
     Raises:
         ValueError: where `skip_nonfinite=False` meets loss scaling, or
-            `skip_spikes` a scaler passed with another setting.
+            `skip_spikes` or `compensation` a scaler passed with another
+            setting.
     """
     if optimizer is None:
         return None
@@ -110,8 +116,17 @@ def scaler_for(optimizer, model, loss_scale="auto", skip_nonfinite="auto", skip_
                 f"pass `skip_spikes={skip_spikes!r}` to it instead. Received: compile("
                 f"skip_spikes={skip_spikes!r}) with its skip_spikes={optimizer.skip_spikes!r}"
             )
+        if compensation != "kahan" and optimizer.compensation != compensation:
+            raise ValueError(
+                "`compensation` is a setting of the kmp.LossScaleOptimizer passed to compile: "
+                f"pass `compensation={compensation!r}` to it instead. Received: compile("
+                f"compensation={compensation!r}) with its "
+                f"compensation={optimizer.compensation!r}"
+            )
         return optimizer
-    spikes = {} if skip_spikes is None else {"skip_spikes": skip_spikes}
+    spikes = {"compensation": compensation}
+    if skip_spikes is not None:
+        spikes["skip_spikes"] = skip_spikes
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         # One scaler, never two: take over Keras' settings with kmp's.
         if loss_scale is not None:
@@ -199,7 +214,7 @@ def continue_scaling(model, previous, scaler):
 # compile's arguments kmp adds, with their defaults: the names of the
 # model's attributes that hold them are `_kmp_<name>`.
 SETTINGS = {"loss_scale": "auto", "overflow_retries": "auto", "skip_nonfinite": "auto",
-            "skip_spikes": None}
+            "skip_spikes": None, "compensation": "kahan"}
 
 
 def with_settings(model, config, is_users_scaler):

@@ -169,7 +169,8 @@ def uncounted_epoch_logs(logs, counted, own):
 
 SCALER_LOG_NAMES = ("loss_scale", "skipped_steps", "retried_steps")
 # compile's settings that choose a held optimizer's scaler, with their defaults.
-_SCALER_SETTINGS = {"loss_scale": "auto", "skip_nonfinite": "auto", "skip_spikes": None}
+_SCALER_SETTINGS = {"loss_scale": "auto", "skip_nonfinite": "auto", "skip_spikes": None,
+                    "compensation": "kahan"}
 
 
 def scaler_log_keys(model):

@@ -37,6 +37,9 @@ _KERAS_BASE_DEFAULTS = {
 CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
 # The spike rule's window is one float32 variable of this many losses at most.
 _MAX_SPIKE_WINDOW = 65536
+# How a 16-bit weight keeps what rounding its updates loses
+# (`kmp.precision._compensated`): `LossScaleOptimizer(compensation=...)`.
+COMPENSATIONS = ("kahan", "stochastic")
 
 
 def check_base_arguments(kwargs):
@@ -147,6 +150,16 @@ def check_spike_settings(skip_spikes, spike_window, spike_warmup, inner_optimize
             "spread over its micro-batches: it does not combine with the inner "
             "optimizer's `gradient_accumulation_steps`. Received: "
             f"skip_spikes={skip_spikes!r}, gradient_accumulation_steps={steps}"
+        )
+
+
+def check_compensation(compensation):
+    """Raises `ValueError` unless `compensation` is one of `COMPENSATIONS`."""
+    if compensation not in COMPENSATIONS:
+        raise ValueError(
+            f"`compensation` must be one of {COMPENSATIONS} (how a 16-bit weight "
+            "keeps what rounding its updates loses). Received: "
+            f"compensation={compensation!r}"
         )
 
 

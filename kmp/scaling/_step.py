@@ -82,10 +82,12 @@ def build_state(optimizer, var_list):
     optimizer._nonfinite_gradients = add_state_variable(
         optimizer, "nonfinite_gradients", (len(var_list),), counter_dtype, 0)
     # A 16-bit variable's update is computed in float32 and written with
-    # Kahan compensation (`kmp.precision._compensated`): its buffer.
-    optimizer._kmp_compensation = [
+    # Kahan compensation (`kmp.precision._compensated`): its buffer (`None`:
+    # rounded stochastically instead).
+    optimizer._kmp_compensated = [
         (variable, add_state_variable(optimizer, variable.path.replace("/", "_") + "_compensation",
-                                      variable.shape, variable.dtype, 0.0))
+                                      variable.shape, variable.dtype, 0.0)
+         if _compensated.buffered(variable, optimizer.compensation) else None)
         for variable in var_list if _compensated.low_precision(variable)
     ]
     backends.get("step").check_buildable(optimizer)
@@ -394,10 +396,10 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
 
     unscaled = unscale(optimizer, grads, built, scale) if divide else grads
-    buffers = {id(buffer) for _, buffer in optimizer._kmp_compensation}
+    buffers = {id(buffer) for _, buffer in optimizer._kmp_compensated if buffer is not None}
     extra = [(variable, value) for variable, value in mapping if id(variable) in buffers]
     new_extra = {}
-    if backends.get("step").traced(applied) or extra:
+    if backends.get("step").traced(applied) or optimizer._kmp_compensated:
         # The skip inside each write (`kmp.scaling._gate`): no conditional,
         # and no copy of a slot beside its update. (With 16-bit variables
         # eagerly too: their compensation buffers are the scaler's.)

@@ -35,7 +35,6 @@ A `kmp.LossScaleOptimizer` built on 16-bit variables makes their buffers
 weights").
 """
 
-import collections
 import contextlib
 
 import keras
@@ -48,7 +47,10 @@ from kmp.scaling import _gate
 # The dtypes whose updates are computed in float32.
 LOW_PRECISION = ("bfloat16", "float16")
 # A stochastically rounded write's seed: [the inner optimizer's iterations,
-# the variable's index * _WRITES + which of its writes in the step this is].
+# the variable's index * _WRITES + _WRITES // 2 for its weight decay (0 for
+# its update) + which write of that computation this is]. Each computation
+# counts its own writes: a strategy runs the update once per replica, and
+# each replica's rounding must be the same.
 _WRITES = 16
 
 
@@ -129,18 +131,19 @@ def float32_updates(optimizer, buffers):
     """
     stochastic = {id(variable) for variable, buffer in buffers if buffer is None}
     buffers = {id(variable): buffer for variable, buffer in buffers if buffer is not None}
-    writes = collections.Counter()  # id(variable) -> its writes so far in this step
     known = {}  # id of what update_step may be given -> the keras.Variable
     for variable in _keras_internals.built_variables(optimizer):
         known[id(variable)] = variable
-        known[id(_gate.value_of(variable))] = variable  # TensorFlow hands over the tf.Variable
+        value = _gate.value_of(variable)  # TensorFlow hands over the tf.Variable,
+        for handed in (value, *getattr(value, "values", ())):  # a strategy each replica's
+            known[id(handed)] = variable
     own = {name: getattr(optimizer, name) for name in _gate.WRITES + ("update_step",)}
     indices = {}  # id(variable) -> its index, looked up before the autocast scope
-    updating = []  # the variable whose update is being computed
+    updating = []  # [the variable whose update is being computed, its first seed, writes]
 
-    def in_float32(variable, compute):
+    def in_float32(variable, compute, decay=False):
         indices.setdefault(id(variable), _keras_internals.variable_index(optimizer, variable))
-        updating.append(variable)
+        updating.append([variable, indices[id(variable)] * _WRITES + decay * _WRITES // 2, 0])
         try:
             # A weight made with autocast=False (a normalization layer's)
             # is read in float32 here too.
@@ -173,7 +176,7 @@ def float32_updates(optimizer, buffers):
                 in_float32(variable, lambda v=variable: optimizer.assign_sub(
                     v, ops.cast(v.value, "float32")
                     * ops.cast(optimizer.weight_decay, "float32")
-                    * ops.cast(optimizer.learning_rate, "float32")))
+                    * ops.cast(optimizer.learning_rate, "float32")), decay=True)
 
     def write(name):
         def float32_write(variable, value):
@@ -185,10 +188,10 @@ def float32_updates(optimizer, buffers):
             buffer = buffers.get(id(target))
             with _keras_internals.autocast(None):
                 if id(target) in stochastic:
-                    index = indices[id(target)] * _WRITES + writes[id(target)] % _WRITES
-                    writes[id(target)] += 1
-                    seed = ops.stack([ops.cast(optimizer.iterations, "int32"),
-                                      ops.convert_to_tensor(index, "int32")])
+                    computation = updating[-1]
+                    seed = ops.stack([ops.cast(optimizer.iterations, "int32"), ops.convert_to_tensor(
+                        computation[1] + computation[2] % (_WRITES // 2), "int32")])
+                    computation[2] += 1
                     return own["assign"](variable, stochastic_round(
                         _gate.written(name, current, value), seed))
                 if buffer is None:

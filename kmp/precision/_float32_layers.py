@@ -268,6 +268,14 @@ def _computes_in(model, dtypes):
     return any(layer.compute_dtype in dtypes for layer in layers)
 
 
+def _stores_in(model, dtypes):
+    """The name of the first layer of `model` whose weights are stored in
+    one of `dtypes`, or `None`."""
+    layers = list(_keras_internals.nested_layers(model, include_self=False, recursive=True))
+    return next((layer.name for layer in layers or [model]
+                 if layer.dtype_policy.variable_dtype in dtypes and layer.weights), None)
+
+
 def _computes_in_float16(model):
     """Whether any layer of `model` computes in float16 (so needs loss scaling)."""
     return _computes_in(model, ("float16",))

@@ -20,7 +20,8 @@ import numpy as np
 
 from kmp import backends
 from kmp import loss_scale as loss_scale_module
-from kmp.precision._float32_layers import _computes_in
+from kmp.precision import _compensated
+from kmp.precision._float32_layers import _computes_in, _stores_in
 from kmp.scaling import _settings
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -79,6 +80,19 @@ def _refuse_unguarded_scaling(received):
         "`skip_nonfinite=False` needs `loss_scale=None` and an optimizer that is not a "
         f"LossScaleOptimizer. Received: skip_nonfinite=False, {received}"
     )
+
+
+def _refuse_keras_own_update_of_16_bit_weights(model):
+    layer = _stores_in(model, _compensated.LOW_PRECISION)
+    if layer is not None:
+        raise ValueError(
+            "`skip_nonfinite=False` leaves the update to Keras' own optimizer, which does not "
+            "train 16-bit weights (Adam's step, and any update below half a step of the "
+            "weight, rounds to 0): keep `skip_nonfinite='auto'` (kmp's scaler computes the "
+            "update in float32 and skips only non-finite steps), or keep the weights in "
+            "float32 ('mixed_bfloat16'). Received: skip_nonfinite=False, with the weights of "
+            f"layer '{layer}' stored in 16 bits"
+        )
 
 
 def scaler_for(optimizer, model, loss_scale="auto", skip_nonfinite="auto", skip_spikes=None,
@@ -145,6 +159,8 @@ def scaler_for(optimizer, model, loss_scale="auto", skip_nonfinite="auto", skip_
         guarded = skip_spikes is not None or skip_nonfinite is True or (
             skip_nonfinite == "auto" and _computes_in(model, ("bfloat16",)))
         if not guarded:
+            if skip_nonfinite is False:
+                _refuse_keras_own_update_of_16_bit_weights(model)
             return optimizer
         return loss_scale_module.LossScaleOptimizer(optimizer, **_GUARD, **spikes)
     if skip_nonfinite is False:

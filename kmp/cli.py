@@ -163,6 +163,7 @@ def _doctor(args):
     }
     auto = policy_module._resolve_auto()
     report["auto_policy"] = {"name": auto.name, "reason": auto.reason}
+    report["weights"] = _weights(keras)
     try:
         device = _benchmark_device(doctor, args.device, report["devices"])
         report["benchmark"] = _benchmark(doctor, device, args.seconds, report["devices"])
@@ -176,6 +177,30 @@ def _doctor(args):
     else:
         print(_format(report, doctor))
     return EXIT_OK
+
+
+def _weights(keras):
+    """Keras' global settings (`keras.json`'s `floatx`, or a dtype policy
+    set before), and a warning where they store weights in 16 bits, which
+    Keras' own optimizers do not train."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy().name
+    stored = keras.config.dtype_policy().variable_dtype
+    warning = None
+    if stored in ("bfloat16", "float16"):
+        setting = (f"floatx is {floatx!r}" if floatx == stored
+                   else f"dtype policy is {policy!r}")
+        lost = ("Keras' own Adam and AdamW never move them (their step rounds to 0), and any "
+                "optimizer's update below half a step of the weight (2**-9 of it) is lost"
+                if stored == "bfloat16" else
+                "any Keras optimizer's update below half a step of the weight (2**-11 of it) "
+                "is lost")
+        warning = (
+            f"Keras' {setting}: a keras.Model's weights are stored in {stored}, where {lost}. "
+            f"With kmp: kmp.set_policy('mixed_{stored}') (float32 weights, {stored} math) or "
+            "kmp.set_policy('bfloat16') (bfloat16 weights whose updates kmp computes in "
+            "float32), and a kmp.Model or kmp.convert(model, policy)."
+        )
+    return {"floatx": floatx, "dtype_policy": policy, "warning": warning}
 
 
 def _fail(args, code, message, report=None):
@@ -406,7 +431,12 @@ def _format(report, doctor):
         + ", ".join(f"{flag} {'yes' if present else 'no'}" for flag, present in cpu["flags"].items())
     )
     auto = report["auto_policy"]
-    lines += ["", f'Policy "auto" -> {auto["name"]}', f"  {auto['reason']}", ""]
+    lines += ["", f'Policy "auto" -> {auto["name"]}', f"  {auto['reason']}"]
+    weights = report["weights"]
+    lines.append(f"  Keras' floatx: {weights['floatx']}; dtype policy: {weights['dtype_policy']}")
+    if weights["warning"]:
+        lines.append(f"  warning: {weights['warning']}")
+    lines.append("")
     bench = report["benchmark"]
     lines.append(
         f"Benchmark on {bench['device']} ({bench['seconds']:g} s budget, dtypes "

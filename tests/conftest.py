@@ -157,6 +157,7 @@ SLOW = (
     "test_examples.py",
     "test_cli.py::test_doctor_json_reports_versions_devices_auto_policy_and_speedups",
     "test_cli.py::test_doctor_prints_a_readable_report",
+    "test_cli.py::test_doctor_warns_where_keras_json_stores_weights_in_16_bits",
     "test_distribute.py::test_multi_worker_fit_agrees_across_workers_and_with_one_worker",
     "test_distribute.py::test_distributed_benchmark_runs",
     "test_distribute.py::test_multi_worker_example_runs_two_identical_workers",

@@ -89,6 +89,42 @@ def test_doctor_prints_a_readable_report():
     assert "  float8 matmul: not timed (no GPU in use; float8 matmuls need" in text
 
 
+def test_doctor_warns_where_keras_json_stores_weights_in_16_bits(tmp_path):
+    # keras.json's floatx (float16: Keras refuses bfloat16 there), as a user
+    # sets it for all their models: Keras' optimizers then lose small
+    # updates; doctor says so, and how kmp trains them. With Keras' default
+    # it says nothing of the kind.
+    home = tmp_path / "keras_home"
+    home.mkdir()
+    (home / "keras.json").write_text(json.dumps({"backend": "tensorflow", "floatx": "float16"}))
+    result = _run(["-m", "kmp", "doctor", "--json", "--seconds", "1", "--device", "cpu"],
+                  env={"KERAS_HOME": str(home)})
+    assert result.returncode == cli.EXIT_OK, result.stderr
+    weights = json.loads(result.stdout)["weights"]
+    assert (weights["floatx"], weights["dtype_policy"]) == ("float16", "float16")
+    assert weights["warning"] == (
+        "Keras' floatx is 'float16': a keras.Model's weights are stored in float16, where any "
+        "Keras optimizer's update below half a step of the weight (2**-11 of it) is lost. With "
+        "kmp: kmp.set_policy('mixed_float16') (float32 weights, float16 math) or "
+        "kmp.set_policy('bfloat16') (bfloat16 weights whose updates kmp computes in float32), "
+        "and a kmp.Model or kmp.convert(model, policy).")
+    default = _run(["-m", "kmp", "doctor", "--seconds", "1", "--device", "cpu"])
+    assert "  Keras' floatx: float32; dtype policy: float32\n" in default.stdout
+    assert "warning: Keras'" not in default.stdout
+
+
+def test_doctor_names_keras_own_bfloat16_policy_and_adams_zero_step():
+    keras.config.set_dtype_policy("bfloat16")
+    try:
+        weights = cli._weights(keras)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert weights["warning"].startswith(
+        "Keras' dtype policy is 'bfloat16': a keras.Model's weights are stored in bfloat16, "
+        "where Keras' own Adam and AdamW never move them (their step rounds to 0)")
+    assert cli._weights(keras)["warning"] is None
+
+
 @pytest.mark.parametrize("on_gpu, capability, timed", [
     (False, None, False), (True, "8.6", False), (True, None, False),
     (True, "8.9", True), (True, "9.0", True),

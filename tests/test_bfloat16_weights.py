@@ -59,6 +59,11 @@ def _state(model):
     return [np.asarray(keras.ops.cast(v, "float32")) for v in state]
 
 
+def _assert_same_state(model, other):
+    for ours, theirs in zip(_state(model), _state(other), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_bfloat16_weights_train_as_mixed_bfloat16_and_keras_own_do_not(mode):
     x, y = _regression()
@@ -99,8 +104,7 @@ def test_a_nan_record_leaves_weights_buffers_and_moments_as_without_its_batch(mo
     clean.compile(keras.optimizers.Adam(1e-2), "mse", **MODES[mode])
     keep = np.r_[0:32, 48:64]
     clean.fit(x[keep], y[keep], batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for ours, theirs in zip(_state(model), _state(clean), strict=True):
-        np.testing.assert_array_equal(ours, theirs)
+    _assert_same_state(model, clean)
 
 
 def test_a_keras_file_resumes_bit_for_bit_buffers_included(tmp_path):
@@ -117,8 +121,7 @@ def test_a_keras_file_resumes_bit_for_bit_buffers_included(tmp_path):
     resumed.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     through = _mlp("bfloat16", start=start)
     _fit(through, x, y, "graph", epochs=2)
-    for ours, theirs in zip(_state(resumed), _state(through), strict=True):
-        np.testing.assert_array_equal(ours, theirs)
+    _assert_same_state(resumed, through)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -170,8 +173,7 @@ def test_stochastic_rounding_skips_a_nan_record_and_resumes_from_a_keras_file(tm
     clean.compile(**dict(compile_args, optimizer=keras.optimizers.Adam(1e-2)))
     keep = np.r_[0:32, 48:64]
     clean.fit(x[keep], y[keep], batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for ours, theirs in zip(_state(resumed), _state(clean), strict=True):
-        np.testing.assert_array_equal(ours, theirs)
+    _assert_same_state(resumed, clean)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -299,8 +301,7 @@ def test_kmp_backup_and_restore_resumes_bfloat16_weights_exactly(tmp_path):
                 callbacks=[kmp.callbacks.BackupAndRestore(os.fspath(tmp_path / "backup"))])
     through = _mlp("bfloat16", start=start)
     _fit(through, x, y, "graph", epochs=2)
-    for ours, theirs in zip(_state(resumed), _state(through), strict=True):
-        np.testing.assert_array_equal(ours, theirs)
+    _assert_same_state(resumed, through)
 
 
 # --- It is kept: served and loaded under another policy ------------------------

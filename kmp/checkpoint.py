@@ -60,11 +60,14 @@ restore: read F/training_metadata.json (a regular file, not a link); every
              backup numbers and restore number m = the newest every worker
              holds (see below)
          check the SHA-256 of the file (JAX processes: all-gather whether
-             each file passed, before any loads: loading is a collective),
+             each file passed, and what variables each holds, before any
+             loads: loading is a collective),
              then load it strictly: any variable Keras would skip (a
              mismatch) is an error, not a warning
          several workers: all-gather whether each restore succeeded, so all
-             raise or none does
+             raise or none does; the lock and the metadata are agreed on in
+             the first all-gather too; after any failure the failed workers'
+             messages are all-gathered and every worker raises the same error
 train end (delete_checkpoint=True): delete F's metadata, backups, partial
              files and lock file, nothing else; then F, if it is empty (never
              the working directory)
@@ -154,6 +157,13 @@ def _gather_from_workers(strategy, task, value):
     return backends.get("workers").gather_from_workers(strategy, task, value)
 
 
+def _gather_bytes_from_workers(strategy, task, data):
+    """`{task name: data}` over the cluster's workers, `data` bytes of one
+    length on every worker (the running backend's
+    `workers.gather_bytes_from_workers`)."""
+    return backends.get("workers").gather_bytes_from_workers(strategy, task, data)
+
+
 class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     """`keras.callbacks.BackupAndRestore` whose backups survive a kill mid-save.
 
@@ -209,8 +219,9 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
     newest that every worker holds (a worker killed between its save and
     another's holds one backup less), so all resume from the same state.
     For that agreement each worker keeps its previous backup as well, as
-    with `double_checkpoint=True`; a backup that cannot be restored on any
-    worker is an error on every worker. On JAX the workers are the
+    with `double_checkpoint=True`; a folder that cannot be locked or a
+    backup that cannot be restored on any worker is the same error on every
+    worker, naming the worker and its cause. On JAX the workers are the
     processes joined by `jax.distributed.initialize` (process 0 writes to
     `backup_dir`, process i to `backup_dir/process-<i>`), which agree
     through JAX's own all-gathers.
@@ -270,7 +281,7 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             (naming the variables that differ) or the monitors, or if the
             workers' backups are not from one run.
         RuntimeError: when training begins, if another process is training
-            with the same folder.
+            with the same folder (with several workers: with any worker's).
 
     Example:
 
@@ -330,9 +341,9 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
                 f"batch of data. Received: unbuilt model {self.model.name!r}"
             )
         self._use_folder_of_this_process()
-        self._folder.lock(owner=self)
         folder = self._folder
         if self._worker is None:
+            folder.lock(owner=self)
             _backup_choice.restore_newest(
                 folder.candidates(), self._restore, folder.commit_restored, folder.path
             )
@@ -344,11 +355,15 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             folder.commit_restored,
             lambda value: _gather_from_workers(strategy, task, value),
             self.backup_dir,
-            # Loading is a collective there: every worker's file is checked
-            # and agreed on before any worker loads.
+            # A refused lock is agreed on like any failure: a worker that
+            # stopped alone would leave the others waiting in a collective.
+            lock=lambda: folder.lock(owner=self),
+            gather_bytes=lambda data: _gather_bytes_from_workers(strategy, task, data),
+            # Loading is a collective there: every worker's file is checked,
+            # and the variables the files hold compared, before any loads.
             check=(
-                lambda candidate: _backup_restore.check_backup(
-                    folder, candidate, self.backup_dir, warn_unchecked=False)
+                lambda candidate: _backup_restore.check_backup_variables(
+                    folder, candidate, self.backup_dir)
             ) if backends.get("workers").LOADING_IS_COLLECTIVE else None,
         )
 

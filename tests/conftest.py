@@ -173,6 +173,7 @@ SLOW = (
     "test_jax_distributed.py::test_two_processes_train_as_one_and_skip_one_processs_overflow_together",
     "test_jax_distributed.py::test_a_killed_run_resumes_from_one_shared_folder_as_if_uninterrupted",
     "test_jax_distributed.py::test_processes_an_epoch_apart_resume_the_backup_both_hold",
+    "test_jax_distributed.py::test_a_folder_another_run_holds_stops_every_process_with_one_error",
     "test_jax_distributed.py::test_model_parallel_keeps_the_layout_map_through_training_saving_and_convert",
     # A child process each: `kmp doctor` on JAX (its benchmark, about 8 s
     # unloaded), and `python -m kmp --help`, which imports TensorFlow.

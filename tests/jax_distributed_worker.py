@@ -22,6 +22,8 @@ collectives. Scenarios:
   and Dense kernels sharded, trained, saved to and loaded from a `.keras`
   file, and a plain Keras model brought over by `kmp.convert`; writes
   `model_parallel.json` with every variable's sharding.
+
+A scenario that raises writes `error.txt`: the error's type and message.
 """
 
 import argparse
@@ -298,7 +300,13 @@ def run_model_parallel(jax, args):
 def main():
     args = parse()
     jax = start_jax(args)
-    {"fit": run_fit, "model_parallel": run_model_parallel}[args.scenario](jax, args)
+    try:
+        {"fit": run_fit, "model_parallel": run_model_parallel}[args.scenario](jax, args)
+    except Exception as error:
+        # The error's type and text, for the test to compare across processes.
+        with open(os.path.join(args.dump, "error.txt"), "w") as f:
+            f.write(f"{type(error).__name__}: {error}")
+        raise
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
   after an epoch's backup resumes, with one shared folder and with a folder
   per process (one process's backup an epoch behind the other's), and ends
   exactly where the uninterrupted run ends; a process that cannot restore
-  stops both, naming the cause, without a hang.
+  (a damaged file, another model's file, a folder another run holds) stops
+  both with the same error, naming it and the cause, without a hang.
 - `keras.distribution.ModelParallel` with a `LayoutMap` on eight devices:
   the shardings asked for hold after training, a `.keras` round trip and
   `kmp.convert`.
@@ -23,6 +24,7 @@ Each run of several processes or devices is a child process
 fails the test instead of stalling the suite.
 """
 
+import hashlib
 import json
 import os
 import subprocess
@@ -166,6 +168,32 @@ def _epoch_in(metadata):
     return json.loads(metadata.read_text())["epoch"]
 
 
+def _one_error(runs):
+    """Waits for `runs`, which must all fail, none hang, and none train;
+    returns their error (type and message), which must be the same on all."""
+    codes = _wait(runs, expect_success=False)
+    assert None not in codes and all(codes), (codes, _logs(runs))
+    errors = [(dump / "error.txt").read_text() for _, dump, _ in runs]
+    assert errors == [errors[0]] * len(errors), errors
+    assert errors[0].endswith(
+        "Every worker stops with this error: the workers train together, from one "
+        "state, or not at all."), errors[0]
+    for _, dump, _ in runs:
+        assert not (dump / "fit-mixed_float16.npz").exists()
+    return errors[0]
+
+
+def _replace_with_another_models_weights(weights, metadata, scratch):
+    """Writes another model's weights (one Dense layer: 2 variables) over
+    the backup file `weights`, and records their checksum in `metadata`."""
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5)])
+    other.save_weights(scratch)
+    weights.write_bytes(scratch.read_bytes())
+    entry = json.loads(metadata.read_text())
+    entry["sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    metadata.write_text(json.dumps(entry))
+
+
 def _assert_ends_as_uninterrupted(runs, uninterrupted, resumed_at):
     for index, (_, dump, _) in enumerate(runs):
         assert int(_load(dump, "restored.npz")["initial_epoch"]) == resumed_at
@@ -193,26 +221,62 @@ def test_a_killed_run_resumes_from_one_shared_folder_as_if_uninterrupted(
     assert _epoch_in(backup / "process-1" / "training_metadata.json") == 2
 
     # Process 1's latest backup is damaged: it cannot restore it, and both
-    # stop at once (no process waits for the other in a collective), process
-    # 1 with the cause and process 0 naming process 1 and the backup.
-    damaged = backup / "process-1" / "backup-000001.weights.h5"
-    original = _flip_a_byte_of_the_weights(damaged)
-    runs = _start(tmp_path, "damaged", "fit", args=("--backup", backup))
-    codes = _wait(runs, expect_success=False)
-    assert None not in codes and all(codes), (codes, _logs(runs))
-    logs = [log.read_text() for _, _, log in runs]
-    assert f"The backup file {str(damaged)!r} is damaged: its SHA-256" in logs[1], logs[1]
-    assert f"process-1 could not restore backup 1 under {str(backup)!r}" in logs[0], logs[0]
-    for _, dump, _ in runs:
-        assert not (dump / "fit-mixed_float16.npz").exists()
+    # stop at once (no process waits for the other in a collective) with the
+    # same error, naming process 1, the backup and the cause.
+    latest = backup / "process-1" / "backup-000001.weights.h5"
+    original = _flip_a_byte_of_the_weights(latest)
+    error = _one_error(_start(tmp_path, "damaged", "fit", args=("--backup", backup)))
+    assert error.startswith(
+        f"ValueError: process-1 could not restore backup 1 under {str(backup)!r}: "
+        f"The backup file {str(latest)!r} is damaged: its SHA-256"), error
+    latest.write_bytes(original)
+
+    # Process 1's latest backup is another model's file, its checksum
+    # recorded: the processes find that their files hold different variables
+    # and stop with the same error before either loads (loading is a
+    # collective: one process refusing a variable that the other places on
+    # the devices would leave that one waiting).
+    metadata = backup / "process-1" / "training_metadata.json"
+    recorded = metadata.read_text()
+    _replace_with_another_models_weights(latest, metadata, tmp_path / "other.weights.h5")
+    error = _one_error(_start(tmp_path, "other-model", "fit", args=("--backup", backup)))
+    assert error.startswith(
+        f"ValueError: The workers' backup 1 under {str(backup)!r} does not hold the "
+        "same variables on every worker"), error
+    assert f"process-0: {str(backup / 'backup-000001.weights.h5')!r} holds" in error, error
+    assert f"process-1: {str(latest)!r} holds 2 variables" in error, error
+    assert "nothing was loaded" in error
 
     # Restarted with the file repaired, both resume at epoch 2 and end where
     # the uninterrupted run ends, bit for bit.
-    damaged.write_bytes(original)
+    latest.write_bytes(original)
+    metadata.write_text(recorded)
     runs = _start(tmp_path, "resumed", "fit", args=("--backup", backup))
     _wait(runs)
     _assert_ends_as_uninterrupted(runs, uninterrupted, resumed_at=2)
     assert not backup.exists()
+
+
+def test_a_folder_another_run_holds_stops_every_process_with_one_error(tmp_path):
+    """Process 1's folder is locked by another run (this test's process):
+    process 1 cannot take it, and both processes stop with the same error
+    (no process waits for the other in a collective)."""
+    from kmp.backup import _lock
+
+    backup = tmp_path / "backup"
+    (backup / "process-1").mkdir(parents=True)
+    owner = object()
+    lock = _lock.FolderLock.acquire(str(backup / "process-1"), owner=owner)
+    try:
+        error = _one_error(_start(tmp_path, "refused", "fit", args=("--backup", backup)))
+    finally:
+        lock.release(owner=owner)
+    assert error.startswith(
+        f"RuntimeError: process-1 could not lock its backup folder under {str(backup)!r}: "
+        f"The backup folder {str(backup / 'process-1')!r} is in use by another training "
+        f"run: process {os.getpid()} on "), error
+    # Process 0 took its own folder, and let it go when it stopped.
+    assert sorted(os.listdir(backup)) == ["process-1"]
 
 
 def test_processes_an_epoch_apart_resume_the_backup_both_hold(tmp_path, uninterrupted):

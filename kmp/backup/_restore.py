@@ -3,6 +3,8 @@ without following a link, its SHA-256 checked against the metadata's, then
 its weights loaded strictly (a variable Keras would skip is an error).
 """
 
+import hashlib
+import json
 import os
 import stat
 import tempfile
@@ -126,18 +128,57 @@ def load_backup(model, folder, candidate, backup_dir):
         ) from None
 
 
-def _h5_variables(path):
-    """`{dataset path: shape}` of a Keras weights file."""
+def _h5_layout(path):
+    """`{dataset path: (shape, dtype)}` of a Keras weights file."""
     import h5py
 
     variables = {}
     with h5py.File(path, "r") as f:
         f.visititems(
-            lambda name, item: variables.__setitem__(name, tuple(item.shape))
+            lambda name, item: variables.__setitem__(name, (tuple(item.shape), item.dtype.str))
             if isinstance(item, h5py.Dataset)
             else None
         )
     return variables
+
+
+def _h5_variables(path):
+    """`{dataset path: shape}` of a Keras weights file."""
+    return {name: shape for name, (shape, _) in _h5_layout(path).items()}
+
+
+def check_backup_variables(folder, candidate, backup_dir):
+    """`check_backup` (no warning for a backup without a checksum), then
+    what the file holds, for workers whose loading is a collective to
+    compare before any of them loads: files that hold the same variables
+    make every worker's load take the same steps.
+
+    Args:
+        folder: `_backup_folder.BackupFolder`, where the backup lies.
+        candidate: Dict. The checked metadata entry of the backup.
+        backup_dir: String. The callback's `backup_dir`, for the messages.
+
+    Returns:
+        `(layout, description)`: the SHA-256 (hexadecimal) of the variables'
+        paths, shapes and dtypes in the file, and
+        `"'<file>' holds <n> variables (layout <its first 12 digits>)"`.
+
+    Raises:
+        UnsafeBackupError, ValueError: as `check_backup`; ValueError too if
+            the file cannot be read as a Keras weights file.
+    """
+    _, weights_path = check_backup(folder, candidate, backup_dir, warn_unchecked=False)
+    try:
+        variables = _h5_layout(weights_path)
+    except OSError as error:
+        raise ValueError(
+            f"The backup file {weights_path!r} cannot be read as a Keras "
+            f"weights file: {error}"
+        ) from None
+    layout = hashlib.sha256(json.dumps(sorted(variables.items())).encode()).hexdigest()
+    return layout, (
+        f"{weights_path!r} holds {len(variables)} variables (layout {layout[:12]})"
+    )
 
 
 def _mismatched_variables(model, filepath):

@@ -8,7 +8,8 @@ own backup folder and they agree on one backup to restore through
 all-gathers (`kmp/backup/_choice.py`), as TensorFlow's workers do under
 `MultiWorkerMirroredStrategy` (`kmp/backends/tensorflow/workers.py`). These
 are the JAX side of that: which worker this process is (`process-<index>`,
-process 0 the chief), and the all-gather, JAX's own
+process 0 the chief), and the all-gathers of an integer and of a failed
+worker's message, JAX's own
 (`jax.experimental.multihost_utils.process_allgather`). One process (no
 `jax.distributed`, or a cluster of one) is not a worker: `this_worker`
 answers `None`.
@@ -65,9 +66,36 @@ def gather_from_workers(strategy, task, value):
         return {task: int(value)}
     # int32: without `jax_enable_x64` JAX would narrow an int64 itself.
     values = multihost_utils.process_allgather(np.asarray(int(value), np.int32))
-    # Stacked in the order of `jax.process_index()`.
+    return _by_process(task, [int(v) for v in np.ravel(values)])
+
+
+def gather_bytes_from_workers(strategy, task, data):
+    """`{task name: data}` over the JAX processes, `data` bytes of the same
+    length on every process (a failed process's message, padded).
+
+    An all-gather of `uint8` values over every process (`process_allgather`
+    stacks equal shapes); every process must call it at the same point.
+
+    Args:
+        strategy: Ignored.
+        task: String. This process's name, as `this_worker` gives it.
+        data: Bytes. This process's bytes, as many as every other's.
+
+    Returns:
+        Dict from each process's name to its bytes.
+    """
+    del strategy
+    if jax.process_count() <= 1:
+        return {task: bytes(data)}
+    rows = multihost_utils.process_allgather(np.frombuffer(bytes(data), np.uint8))
+    return _by_process(task, [np.asarray(row, np.uint8).tobytes() for row in rows])
+
+
+def _by_process(task, values):
+    """`{process name: value}` from values stacked in the order of
+    `jax.process_index()`."""
     own = jax.process_index()
     return {
-        task if index == own else f"process-{index}": int(v)
-        for index, v in enumerate(np.ravel(values))
+        task if index == own else f"process-{index}": value
+        for index, value in enumerate(values)
     }

@@ -3,9 +3,11 @@
 Under a `tf.distribute.MultiWorkerMirroredStrategy` with several workers,
 each worker keeps its own backup folder and the workers agree on one backup
 to restore through all-gathers (`kmp/backup/_choice.py`); these are the
-TensorFlow side of that: which worker this process is, and the all-gather.
+TensorFlow side of that: which worker this process is, and the all-gathers
+of an integer and of a failed worker's message.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from kmp.backends.tensorflow import distribute
@@ -52,16 +54,45 @@ def gather_from_workers(strategy, task, value):
     Returns:
         Dict from each worker's name to its value, as an `int`.
     """
+    rows = _gather_rows(strategy, task, [int(value)])
+    return {name: int(values[0]) for name, values in rows}
+
+
+def gather_bytes_from_workers(strategy, task, data):
+    """`{task name: data}` over the cluster's workers, `data` bytes of the
+    same length on every worker (a failed worker's message, padded).
+
+    An all-gather of the bytes packed into int64 values, in eager mode;
+    every worker must call it at the same point.
+
+    Args:
+        strategy: The cluster's `MultiWorkerMirroredStrategy`.
+        task: String. This worker's name, as `this_worker` gives it.
+        data: Bytes. This worker's bytes, as many as every other's.
+
+    Returns:
+        Dict from each worker's name to its bytes.
+    """
+    data = bytes(data)
+    words = np.frombuffer(data.ljust(-(-len(data) // 8) * 8, b"\0"), np.int64)
+    rows = _gather_rows(strategy, task, words)
+    return {name: values.astype(np.int64).tobytes()[: len(data)] for name, values in rows}
+
+
+def _gather_rows(strategy, task, values):
+    """`(task name, values)` of each replica: an all-gather of one row per
+    replica, `[job, task index, *values]` (int64)."""
     task_type, task_id = task.rsplit("-", 1)
+    job = 0 if task_type == "chief" else 1
     local = tf.constant(
-        [[0 if task_type == "chief" else 1, int(task_id), int(value)]], tf.int64
+        np.concatenate([[job, int(task_id)], values]).astype(np.int64)[np.newaxis]
     )
     per_replica = strategy.experimental_distribute_values_from_function(
         lambda _: local
     )
     rows = strategy.gather(per_replica, axis=0).numpy()
     # One row per replica: a worker with several devices appears several times.
-    return {
-        f"{'chief' if job == 0 else 'worker'}-{index}": int(value)
-        for job, index, value in rows
-    }
+    return [
+        (f"{'chief' if row[0] == 0 else 'worker'}-{row[1]}", row[2:])
+        for row in rows
+    ]

@@ -183,10 +183,12 @@ def _weights(keras):
     """Keras' global settings (`keras.json`'s `floatx`, or a dtype policy
     set before), and a warning where they store weights in 16 bits, which
     Keras' own optimizers do not train."""
+    from kmp.precision import _compensated
+
     floatx, policy = keras.config.floatx(), keras.config.dtype_policy().name
     stored = keras.config.dtype_policy().variable_dtype
     warning = None
-    if stored in ("bfloat16", "float16"):
+    if stored in _compensated.LOW_PRECISION:
         setting = (f"floatx is {floatx!r}" if floatx == stored
                    else f"dtype policy is {policy!r}")
         lost = ("Keras' own Adam and AdamW never move them (their step rounds to 0), and any "

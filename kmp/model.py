@@ -70,7 +70,7 @@ def _prepare_train_step(model):
     # without training=True, are named before the first step.
     _float8_training.warn_if_not_recording(model)
     trainer = backends.get("trainer")
-    _model_step.wrap_optimizers(model, _scaling_compile.scaler_for)
+    _model_step.wrap_optimizers(model, _scaling_compile.scaler_for, _scaling_compile.SETTINGS)
     # Float8 output-gradient histories follow the loss scale.
     _float8_training.follow_loss_scale(model)
     own_wrapper = getattr(vars(model).get("train_step"), "_kmp_reporting", False)

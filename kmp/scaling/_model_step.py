@@ -168,9 +168,6 @@ def uncounted_epoch_logs(logs, counted, own):
 
 
 SCALER_LOG_NAMES = ("loss_scale", "skipped_steps", "retried_steps")
-# compile's settings that choose a held optimizer's scaler, with their defaults.
-_SCALER_SETTINGS = {"loss_scale": "auto", "skip_nonfinite": "auto", "skip_spikes": None,
-                    "compensation": "kahan"}
 
 
 def scaler_log_keys(model):
@@ -235,16 +232,19 @@ def monitor_logs(optimizer, loss):
     }
 
 
-def wrap_optimizers(model, scaler_for):
+def wrap_optimizers(model, scaler_for, compile_settings):
     """Makes every optimizer the model holds a kmp.LossScaleOptimizer.
 
     `compile` wraps `optimizer`; a GAN's `d_optimizer` and
     `g_optimizer`, set by its own `compile`, are wrapped here, before
-    the first step is traced, by the same rule (`scaler_for`, with the
-    model's `loss_scale`, `skip_nonfinite` and `skip_spikes`).
+    the first step is traced, by the same rule (compile's `scaler_for`,
+    given the model's values of `compile_settings`, compile's arguments
+    and their defaults, but the retries, which choose no scaler). Both
+    are passed in: compile's module reaches the backends, which import
+    this one.
     """
     settings = {name: getattr(model, f"_kmp_{name}", default)
-                for name, default in _SCALER_SETTINGS.items()}
+                for name, default in compile_settings.items() if name != "overflow_retries"}
     for name, optimizer in _optimizers.optimizers_by_attribute(model).items():
         if name == "optimizer" or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             continue

@@ -402,7 +402,8 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     if backends.get("step").traced(applied) or optimizer._kmp_compensated:
         # The skip inside each write (`kmp.scaling._gate`): no conditional,
         # and no copy of a slot beside its update. (With 16-bit variables
-        # eagerly too: their compensation buffers are the scaler's.)
+        # eagerly too: only here is their update computed in float32 and
+        # written compensated, and their buffers are the scaler's.)
         new_trainable, new_inner, new_extra = _gate.gated_stateless_apply(
             inner, applied, inner_values, unscaled, list(trainable_variables), extra=extra,
             inside=lambda: _compensated.around_inner_apply(optimizer))

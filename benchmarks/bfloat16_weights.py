@@ -56,9 +56,15 @@ import kmp  # noqa: E402
 
 PRECISIONS = ("float32", "mixed_bfloat16", "bfloat16", "bfloat16 stochastic",
               "bfloat16 float32 moments", "keras bfloat16")
-# kmp's policy and compile's `compensation` for each kmp precision.
+# kmp's policy and compile's `compensation` for the kmp precisions that are
+# not a policy's name.
 _KMP = {"bfloat16 stochastic": ("bfloat16", "stochastic"),
         "bfloat16 float32 moments": ("bfloat16", "kahan")}
+
+
+def _policy(precision):
+    """The kmp policy a kmp precision trains under."""
+    return _KMP.get(precision, (precision,))[0]
 OPTIMIZERS = {
     "Adam(3e-3)": lambda: keras.optimizers.Adam(3e-3),
     "AdamW(3e-3, weight_decay=1e-2)": lambda: keras.optimizers.AdamW(3e-3, weight_decay=1e-2),
@@ -108,7 +114,7 @@ def _under(precision, build):
             return build(keras.Model)
         finally:
             keras.config.set_dtype_policy(previous)
-    with kmp.policy_scope(_KMP.get(precision, (precision,))[0]):
+    with kmp.policy_scope(_policy(precision)):
         return build(kmp.Model)
 
 
@@ -185,7 +191,7 @@ def backbone_run(data, precision, epochs, seed=0):
         model = _under(precision, lambda model_class: _bert_classifier())
         model.set_weights(float32_model.get_weights())
     else:
-        model = kmp.convert(float32_model, _KMP.get(precision, (precision,))[0], compile=False)
+        model = kmp.convert(float32_model, _policy(precision), compile=False)
     _compile(model, precision, keras.optimizers.Adam(1e-3))
     history = model.fit(_bert_inputs(x_train), y_train, batch_size=32, epochs=epochs, verbose=0)
     return {

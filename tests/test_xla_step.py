@@ -117,6 +117,21 @@ def test_the_bfloat16_guard_under_xla_is_a_select_as_float16s_skip():
     assert counts["dots"] == keras_bf16["dots"]
 
 
+def test_compensated_bfloat16_weights_under_xla_are_updated_in_place():
+    """bfloat16 weights (kmp's compensated update, `kmp._compensated`):
+    the weight's write follows its buffer's, so XLA updates both in place;
+    with both computed from the old weight alone, XLA copied every kernel
+    each step to keep it for whichever write came second. Keras' own
+    bfloat16 step (whose update does not count) copies none either."""
+    keras_model, data = _compiled("keras", policy="bfloat16")
+    model, _ = _compiled("kmp", policy="bfloat16")
+    assert len(model.optimizer._kmp_compensated) == 2 * (_DEPTH + 1)
+    keras_bf16 = _hlo_counts(_optimized_hlo(keras_model, data))
+    counts = _hlo_counts(_optimized_hlo(model, data))
+    assert counts["kernel_copies"] <= keras_bf16["kernel_copies"] == 0, (counts, keras_bf16)
+    assert counts["conditionals"] == 0, counts
+
+
 def test_an_accumulated_step_under_xla_has_no_more_conditionals_than_keras():
     """With the inner optimizer's gradient accumulation the window's
     branches (apply or discard, the micro-steps' rewind, the accumulators'

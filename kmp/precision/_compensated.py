@@ -203,10 +203,19 @@ def float32_updates(optimizer, buffers):
                     own["assign"](buffer, value - ops.cast(stored, "float32"))
                     return own["assign"](variable, stored)
                 delta = value if name == "assign_add" else -value
-                compensated = ops.cast(_gate.value_of(buffer), "float32") + delta
-                stored = ops.cast(current + compensated, dtype)
-                own["assign"](buffer, compensated - (ops.cast(stored, "float32") - current))
-                return own["assign"](variable, stored)
+                # The buffer takes what rounding the float32 sum to the
+                # weight's dtype loses (their difference is exact in
+                # float32: the two are within a factor of 2), stored in
+                # its own 16 bits. The weight takes the sum less that
+                # buffer, which rounds to the same bits as the sum (the
+                # buffer holds under half the weight's step), so that its
+                # write follows the buffer's: written from the sum alone,
+                # both writes read the old weight in either order, and XLA
+                # copies every weight each step to keep it.
+                total = current + (ops.cast(_gate.value_of(buffer), "float32") + delta)
+                own["assign"](buffer, total - ops.cast(ops.cast(total, dtype), "float32"))
+                return own["assign"](variable, ops.cast(
+                    total - ops.cast(_gate.value_of(buffer), "float32"), dtype))
         return float32_write
 
     methods = {name: write(name) for name in _gate.WRITES}

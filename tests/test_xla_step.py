@@ -118,7 +118,8 @@ def test_the_bfloat16_guard_under_xla_is_a_select_as_float16s_skip():
 
 
 def test_compensated_bfloat16_weights_under_xla_are_updated_in_place():
-    """bfloat16 weights (kmp's compensated update, `kmp._compensated`):
+    """bfloat16 weights (kmp's compensated update,
+    `kmp.precision._compensated`):
     the weight's write follows its buffer's, so XLA updates both in place;
     with both computed from the old weight alone, XLA copied every kernel
     each step to keep it for whichever write came second. Keras' own

@@ -74,11 +74,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `dynamic=False` the scale stays fixed but non-finite steps are still
     skipped and counted. `enabled=False` makes it a pass-through.
 
-    Gradients of a loss that did not go through `scale_loss` are never
-    divided inside `kmp.Model`'s train step, and divided as Keras divides
-    them elsewhere, with a warning either way (see `kmp.scaling._handoff`).
-    On JAX, `stateless_apply` and `stateless_scale_loss` are the same step as
-    pure functions of values. Checkpoints and `.keras` files carry the state.
+    Gradients of a loss that did not go through `scale_loss` are not divided
+    in `kmp.Model`'s step, and divided as Keras does elsewhere, with a warning
+    (`kmp.scaling._handoff`). `stateless_apply` and `stateless_scale_loss`
+    are the step as pure functions (JAX). `.keras` files carry the state.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer` instance or name (e.g.
@@ -95,26 +94,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         min_scale: Float in (0, float32 max]. Defaults to `1.0`.
         max_scale: Float in (0, float32 max]. Defaults to `2.0**24`.
         clipnorm, global_clipnorm, clipvalue: Optional float > 0, at most one.
-            Set on the inner optimizer, which clips the unscaled gradients
-            (Keras' own scaler asks for them there); the scaler's attributes
-            of these names read and write the inner optimizer's. Under a
-            strategy with several replicas the whole batch's gradient is
-            clipped, as on one replica. Defaults to `None`.
-        enabled: Bool. `False`: `scale_loss` returns the loss unchanged and
-            `apply` hands the gradients to the inner optimizer as they are;
-            the variables still exist. Defaults to `True`.
+            Set on (and read from) the inner optimizer, which clips the
+            unscaled gradients, as Keras' own scaler asks; under a strategy
+            the whole batch's gradient is clipped. Defaults to `None`.
+        enabled: Bool. `False`: a pass-through (its variables still exist).
+            Defaults to `True`.
         skip_spikes: Optional float > 0. Also skip a step whose loss is more
             than this many standard deviations above the mean of the last
-            `spike_window` finite losses, once `spike_warmup` of them were
-            seen (OLMo-core's rule; `kmp.scaling._spikes`), decided on the
-            device. The step needs the loss: kmp.Model's step passes it, a
-            custom step through `scale_loss`. Defaults to `None` (off).
+            `spike_window` finite losses, once `spike_warmup` were seen
+            (OLMo-core's rule), decided on the device. kmp.Model's step passes
+            the loss, a custom step `scale_loss`. Defaults to `None` (off).
         spike_window: Int in [2, 65536]. Defaults to `128`.
         spike_warmup: Int >= 2. Defaults to `64`.
-        compensation: `"kahan"` (a buffer of a 16-bit weight's shape and
-            dtype keeps what rounding its float32 update loses) or
-            `"stochastic"` (a bfloat16 weight rounded up or down at random,
-            no buffer). Defaults to `"kahan"`.
+        compensation: For 16-bit weights: `"kahan"` (a buffer keeps what
+            rounding the float32 update loses) or `"stochastic"` (rounded up
+            or down at random, no buffer). Defaults to `"kahan"`.
         name: Optional string. The optimizer's name.
         dynamic_growth_steps: Optional int. Keras' name for `growth_interval`.
 

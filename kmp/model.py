@@ -243,11 +243,9 @@ class Model(_keras_internals.ModelBase):
             optimizer, self, loss_scale, skip_nonfinite, skip_spikes, compensation)
         users_scaler = _scaling_compile.users_scaler(given, optimizer, self)
         previous = getattr(self, "optimizer", None)
-        self._kmp_loss_scale = loss_scale
-        self._kmp_overflow_retries = overflow_retries
-        self._kmp_skip_nonfinite = skip_nonfinite
-        self._kmp_skip_spikes = skip_spikes
-        self._kmp_compensation = compensation
+        (self._kmp_loss_scale, self._kmp_overflow_retries, self._kmp_skip_nonfinite,
+         self._kmp_skip_spikes, self._kmp_compensation) = (
+            loss_scale, overflow_retries, skip_nonfinite, skip_spikes, compensation)
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
         # object.__setattr__: Keras would track the optimizer as the model's
         # state. Compared by identity (`_model_step.retries`): an

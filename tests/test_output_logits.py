@@ -56,7 +56,11 @@ def test_the_scaled_gradient_of_a_softmax_output_stays_finite_and_right_in_float
 def test_kmp_loses_no_more_reptile_steps_than_keras_own_scaler():
     from benchmarks import first_steps
 
-    keras_run = first_steps.measure("keras", "reptile", 8)
-    kmp_run = first_steps.measure("kmp", "reptile", 8)
+    # One meta-step of four inner steps (the benchmark's --smoke): through a
+    # bare cast, the gradient scale * (1 - p) / p overflows float16 from the
+    # first step on, where the true class has p ~ 1/5 (4 * 2**15 > 65504).
+    # 8 steps lost what 4 lose: Keras 1, kmp 0 (2026-12-06).
+    keras_run = first_steps.measure("keras", "reptile", 4)
+    kmp_run = first_steps.measure("kmp", "reptile", 4)
     assert kmp_run["lost"] <= keras_run["lost"], (kmp_run, keras_run)
     assert kmp_run["final_loss_scale"] >= keras_run["final_loss_scale"]

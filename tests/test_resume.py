@@ -203,9 +203,51 @@ def worker(tmp_path):
     return tmp_path
 
 
-def test_sigkill_mid_save_then_mid_epoch_resumes_bit_identical(worker):
+class _ReferenceRun:
+    """A worker run never killed, started once and read by every test that
+    compares with it: the worker, its arguments and its seeds are the same
+    in each, and it runs on the CPU with deterministic ops, so its dumps are
+    too."""
+
+    def __init__(self, process, dump):
+        self._process, self._dump, self._failure = process, dump, None
+
+    def dump(self):
+        """The run's dump directory, once the run has ended; fails each test
+        that reads it if the run failed."""
+        if self._process is not None:
+            process, self._process = self._process, None
+            try:
+                _finish(process)
+            except pytest.fail.Exception as failure:
+                self._failure = str(failure)
+        if self._failure is not None:
+            pytest.fail(self._failure)
+        return self._dump
+
+    def kill(self):
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """The uninterrupted run, started as the first test that needs it begins
+    (it trains beside that test's own first run) and waited for when a test
+    first reads it."""
+    folder = tmp_path_factory.mktemp("reference")
+    (folder / "worker.py").write_text(_WORKER)
+    process, _, dump = _start(folder, "reference", "--backup", str(folder / "ref"))
+    # Not a test's leftover: `_kill_leftover_workers` leaves it to this fixture.
+    _running.remove(process)
+    run = _ReferenceRun(process, dump)
+    yield run
+    run.kill()
+
+
+def test_sigkill_mid_save_then_mid_epoch_resumes_bit_identical(worker, reference_run):
     backup = worker / "backup"
-    reference, _, reference_dump = _start(worker, "reference", "--backup", str(worker / "ref"))
     # Run 1 dies inside the third backup (end of epoch 3), half-way through
     # writing it: layers written, optimizer not.
     first, marker, _ = _start(worker, "first", "--backup", str(backup), "--pause-in-save", "3")
@@ -214,7 +256,7 @@ def test_sigkill_mid_save_then_mid_epoch_resumes_bit_identical(worker):
     assert metadata["epoch"] == 2
     assert (backup / metadata["weights"]).exists()
     assert any(".partial" in name for name in os.listdir(backup))
-    _finish(reference)
+    reference_dump = reference_run.dump()
     reference_final = np.load(reference_dump / "final.npz")
     assert int(reference_final["skipped_steps"]) >= 1  # the state is not trivial
     assert float(reference_final["loss_scale"]) != 2.0**127
@@ -247,16 +289,17 @@ _KERAS_WRITES_IN_PLACE = (
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KERAS_WRITES_IN_PLACE)
-def test_keras_backup_killed_mid_save_resumes_from_the_last_complete_backup(worker):
+def test_keras_backup_killed_mid_save_resumes_from_the_last_complete_backup(
+    worker, reference_run
+):
     """What kmp.callbacks.BackupAndRestore does (see the test above), asked of Keras' own."""
     backup = worker / "backup"
-    reference, _, reference_dump = _start(worker, "reference", "--backup", str(worker / "ref"))
     first, marker, _ = _start(
         worker, "first", "--callback", "keras", "--backup", str(backup),
         "--pause-in-save", "3",
     )
     _kill_when_paused(first, marker)
-    _finish(reference)
+    reference_dump = reference_run.dump()
     resumed, _, resumed_dump = _start(
         worker, "resumed", "--callback", "keras", "--backup", str(backup)
     )

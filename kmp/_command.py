@@ -52,12 +52,29 @@ def requested_backend():
     Keras."""
     if os.environ.get("KERAS_BACKEND"):
         return os.environ["KERAS_BACKEND"]
-    keras_home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
     try:
-        with open(os.path.join(keras_home, "keras.json")) as config:
+        with open(keras_json()) as config:
             return json.load(config).get("backend", "tensorflow")
     except (OSError, ValueError, AttributeError):
         return "tensorflow"
+
+
+def keras_json():
+    """The path of the `keras.json` Keras reads (in `KERAS_HOME`, else
+    `~/.keras`)."""
+    keras_home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    return os.path.join(keras_home, "keras.json")
+
+
+def raised_by_keras_config(error):
+    """Whether `error` was raised while Keras read its configuration (an
+    invalid `keras.json`), not by the backend."""
+    frames = []
+    traceback = error.__traceback__
+    while traceback is not None:
+        frames.append(traceback.tb_frame.f_code.co_filename)
+        traceback = traceback.tb_next
+    return bool(frames) and frames[-1].replace(os.sep, "/").endswith("keras/src/backend/config.py")
 
 
 def _installed(module):

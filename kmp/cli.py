@@ -134,6 +134,12 @@ def _doctor(args):
             # kmp's own error says what to do (KERAS_BACKEND=jax where JAX is
             # installed, the extra that installs TensorFlow).
             return _fail(args, EXIT_NO_BACKEND, str(error))
+        if _command.raised_by_keras_config(error):
+            said = str(error).rstrip(".")  # Keras 3.10's is a bare assert
+            return _fail(args, EXIT_NO_BACKEND, (
+                f"Keras' configuration is invalid: importing Keras failed with "
+                f"{type(error).__name__}{': ' + said if said else ''}. Fix or remove "
+                f"{_command.keras_json()}."))
         backend = _command.requested_backend()
         if backend not in _MISSING_BACKEND:
             # Another Keras backend (torch, numpy): kmp's own error says so.

@@ -298,3 +298,25 @@ def test_console_script_is_declared():
     with open(_REPO / "pyproject.toml", "rb") as file:
         project = tomllib.load(file)["project"]
     assert project["scripts"] == {"kmp": "kmp.cli:main"}
+
+
+def test_doctor_names_an_invalid_keras_json_not_the_backend(tmp_path):
+    # Keras refuses `floatx: bfloat16` in keras.json while it is imported:
+    # doctor says it is Keras' configuration, and which file, with Keras'
+    # own words, rather than calling TensorFlow missing or broken.
+    home = tmp_path / "keras_home"
+    home.mkdir()
+    (home / "keras.json").write_text(json.dumps({"backend": "tensorflow", "floatx": "bfloat16"}))
+    result = _run(["-m", "kmp", "doctor", "--json", "--seconds", "1", "--device", "cpu"],
+                  env={"KERAS_HOME": str(home)})
+    assert result.returncode == cli.EXIT_NO_BACKEND, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert error.startswith("Keras' configuration is invalid: importing Keras failed with "), error
+    assert error.endswith(f". Fix or remove {home / 'keras.json'}."), error
+    # Keras' own words: a ValueError naming the value, or (Keras 3.10 and
+    # 3.11) a bare assert, which has none.
+    assert (
+        "failed with ValueError: Invalid `floatx` configuration." in error
+        and "Received: floatx=bfloat16. Fix" in error
+    ) or "failed with AssertionError. Fix" in error, error
+    assert "TensorFlow is missing" not in result.stderr

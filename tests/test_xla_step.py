@@ -144,7 +144,13 @@ def test_compensated_bfloat16_weights_under_xla_are_updated_in_place():
     assert len(model.optimizer._kmp_compensated) == 2 * (_DEPTH + 1)
     keras_bf16 = _hlo_counts(_optimized_hlo(keras_model, data))
     counts = _hlo_counts(_optimized_hlo(model, data))
-    assert counts["kernel_copies"] <= keras_bf16["kernel_copies"] == 0, (counts, keras_bf16)
+    if keras_bf16["kernel_copies"] == 0:  # TensorFlow 2.20 and later
+        assert counts["kernel_copies"] == 0, (counts, keras_bf16)
+    else:
+        # TensorFlow 2.19's XLA copies Keras' own slots too (3 here), and
+        # every kernel-shaped variable kmp writes (weight, moment, buffer)
+        # once, whichever way the writes are ordered: at most that.
+        assert counts["kernel_copies"] <= 3 * _DEPTH, (counts, keras_bf16)
     assert counts["conditionals"] == 0, counts
 
 

@@ -89,16 +89,23 @@ def test_doctor_prints_a_readable_report():
     assert "  float8 matmul: not timed (no GPU in use; float8 matmuls need" in text
 
 
+def _doctor_with_floatx(tmp_path, floatx):
+    """`kmp doctor --json` with a keras.json whose `floatx` is `floatx`:
+    the finished process and the Keras home it read."""
+    home = tmp_path / "keras_home"
+    home.mkdir()
+    (home / "keras.json").write_text(json.dumps({"backend": "tensorflow", "floatx": floatx}))
+    result = _run(["-m", "kmp", "doctor", "--json", "--seconds", "1", "--device", "cpu"],
+                  env={"KERAS_HOME": str(home)})
+    return result, home
+
+
 def test_doctor_warns_where_keras_json_stores_weights_in_16_bits(tmp_path):
     # keras.json's floatx (float16: Keras refuses bfloat16 there), as a user
     # sets it for all their models: Keras' optimizers then lose small
     # updates; doctor says so, and how kmp trains them. With Keras' default
     # it says nothing of the kind.
-    home = tmp_path / "keras_home"
-    home.mkdir()
-    (home / "keras.json").write_text(json.dumps({"backend": "tensorflow", "floatx": "float16"}))
-    result = _run(["-m", "kmp", "doctor", "--json", "--seconds", "1", "--device", "cpu"],
-                  env={"KERAS_HOME": str(home)})
+    result, _ = _doctor_with_floatx(tmp_path, "float16")
     assert result.returncode == cli.EXIT_OK, result.stderr
     weights = json.loads(result.stdout)["weights"]
     assert (weights["floatx"], weights["dtype_policy"]) == ("float16", "float16")
@@ -304,11 +311,7 @@ def test_doctor_names_an_invalid_keras_json_not_the_backend(tmp_path):
     # Keras refuses `floatx: bfloat16` in keras.json while it is imported:
     # doctor says it is Keras' configuration, and which file, with Keras'
     # own words, rather than calling TensorFlow missing or broken.
-    home = tmp_path / "keras_home"
-    home.mkdir()
-    (home / "keras.json").write_text(json.dumps({"backend": "tensorflow", "floatx": "bfloat16"}))
-    result = _run(["-m", "kmp", "doctor", "--json", "--seconds", "1", "--device", "cpu"],
-                  env={"KERAS_HOME": str(home)})
+    result, home = _doctor_with_floatx(tmp_path, "bfloat16")
     assert result.returncode == cli.EXIT_NO_BACKEND, result.stderr
     error = json.loads(result.stdout)["error"]
     assert error.startswith("Keras' configuration is invalid: importing Keras failed with "), error

@@ -197,25 +197,23 @@ def float32_updates(optimizer, buffers):
                 if buffer is None:
                     return own["assign"](variable, _gate.written(name, current, value))
                 dtype = target.dtype
-                if name == "assign":
-                    # A whole new value: the buffer keeps what storing it loses.
-                    stored = ops.cast(value, dtype)
-                    own["assign"](buffer, value - ops.cast(stored, "float32"))
-                    return own["assign"](variable, stored)
-                delta = value if name == "assign_add" else -value
-                # The buffer takes what rounding the float32 sum to the
+                # The float32 value to store: a whole new one (`assign`), or
+                # the old weight plus the update and what earlier roundings
+                # lost (the buffer). The buffer takes what rounding it to the
                 # weight's dtype loses (their difference is exact in
-                # float32: the two are within a factor of 2), stored in
-                # its own 16 bits. The weight takes the sum less that
-                # buffer, which rounds to the same bits as the sum (the
-                # buffer holds under half the weight's step), so that its
-                # write follows the buffer's: written from the sum alone,
-                # both writes read the old weight in either order, and XLA
-                # copies every weight each step to keep it.
-                total = current + (ops.cast(_gate.value_of(buffer), "float32") + delta)
-                own["assign"](buffer, total - ops.cast(ops.cast(total, dtype), "float32"))
+                # float32: the two are within a factor of 2), stored in its
+                # own 16 bits. The weight takes the value less that buffer,
+                # which rounds to the same bits as the value (the buffer
+                # holds under half the weight's step), so that its write
+                # follows the buffer's: written from the value alone, both
+                # writes read the old weight in either order, and XLA copies
+                # every weight each step to keep it.
+                if name != "assign":
+                    delta = value if name == "assign_add" else -value
+                    value = current + (ops.cast(_gate.value_of(buffer), "float32") + delta)
+                own["assign"](buffer, value - ops.cast(ops.cast(value, dtype), "float32"))
                 return own["assign"](variable, ops.cast(
-                    total - ops.cast(_gate.value_of(buffer), "float32"), dtype))
+                    value - ops.cast(_gate.value_of(buffer), "float32"), dtype))
         return float32_write
 
     methods = {name: write(name) for name in _gate.WRITES}

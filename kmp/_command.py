@@ -66,15 +66,21 @@ def keras_json():
     return os.path.join(keras_home, "keras.json")
 
 
+# Where Keras checks keras.json as it is imported: a private module, read
+# as a path (Keras cannot be imported to ask). Should it move, `kmp doctor`
+# says "<backend> is missing or broken" again, with Keras' error in it.
+_KERAS_CONFIG_FILE = "keras/src/backend/config.py"
+
+
 def raised_by_keras_config(error):
     """Whether `error` was raised while Keras read its configuration (an
     invalid `keras.json`), not by the backend."""
-    frames = []
     traceback = error.__traceback__
-    while traceback is not None:
-        frames.append(traceback.tb_frame.f_code.co_filename)
+    if traceback is None:
+        return False
+    while traceback.tb_next is not None:  # the frame that raised
         traceback = traceback.tb_next
-    return bool(frames) and frames[-1].replace(os.sep, "/").endswith("keras/src/backend/config.py")
+    return traceback.tb_frame.f_code.co_filename.replace(os.sep, "/").endswith(_KERAS_CONFIG_FILE)
 
 
 def _installed(module):

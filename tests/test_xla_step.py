@@ -137,8 +137,9 @@ def test_compensated_bfloat16_weights_under_xla_are_updated_in_place():
     `kmp.precision._compensated`):
     the weight's write follows its buffer's, so XLA updates both in place;
     with both computed from the old weight alone, XLA copied every kernel
-    each step to keep it for whichever write came second. Keras' own
-    bfloat16 step (whose update does not count) copies none either."""
+    each step to keep it for whichever write came second. From
+    TensorFlow 2.20 Keras' own bfloat16 step (whose update does not count)
+    copies none either."""
     keras_model, data = _compiled("keras", policy="bfloat16")
     model, _ = _compiled("kmp", policy="bfloat16")
     assert len(model.optimizer._kmp_compensated) == 2 * (_DEPTH + 1)

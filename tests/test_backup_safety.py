@@ -656,11 +656,15 @@ def _counter_run(backup_class, backup_dir, first_fit):
     return int(resumed.optimizer.iterations)
 
 
-@pytest.mark.parametrize("first_fit", ["interrupted", "completed"])
-@pytest.mark.parametrize(
-    "backup_class", [keras.callbacks.BackupAndRestore, kmp.callbacks.BackupAndRestore],
-    ids=["keras", "kmp"],
-)
+# Keras' own callback is the control: in the slow tier (tests/conftest.py).
+@pytest.mark.parametrize(("backup_class", "first_fit"), [
+    pytest.param(keras.callbacks.BackupAndRestore, "interrupted", id="keras-interrupted",
+                 marks=pytest.mark.slow),
+    pytest.param(keras.callbacks.BackupAndRestore, "completed", id="keras-completed",
+                 marks=pytest.mark.slow),
+    pytest.param(kmp.callbacks.BackupAndRestore, "interrupted", id="kmp-interrupted"),
+    pytest.param(kmp.callbacks.BackupAndRestore, "completed", id="kmp-completed"),
+])
 def test_a_reused_callback_writes_backups_whose_epoch_matches_their_weights(
     tmp_path, backup_class, first_fit
 ):

@@ -1360,7 +1360,9 @@ def test_a_float8_run_resumes_from_backup_and_restore_as_if_uninterrupted(tmp_pa
                 ops.convert_to_numpy(getattr(layer, name)), err_msg=f"{layer.name}.{name}")
 
 
-@pytest.mark.parametrize("inference_policy", ["float32", "mixed_bfloat16"])
+# The mixed_bfloat16 export in the slow tier (tests/conftest.py).
+@pytest.mark.parametrize("inference_policy", [
+    "float32", pytest.param("mixed_bfloat16", marks=pytest.mark.slow)])
 def test_a_float8_model_exports_with_its_float8_quantization(tmp_path, inference_policy):
     """Served under inference_policy "float32" or "mixed_bfloat16": float32
     in and out, the float8 layers still quantizing to float8 with their

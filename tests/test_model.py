@@ -44,9 +44,16 @@ class Subclassed(kmp.Model):
 _BUILDERS = {"functional": _functional, "subclassed": Subclassed}
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize("kind", ["functional", "subclassed"])
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+# Half of policy x kind x XLA in the fast tier, a set that holds every pair
+# of two factors once; the other half in the slow tier (tests/conftest.py).
+@pytest.mark.parametrize(("policy", "kind", "jit_compile"), [
+    pytest.param(policy, kind, jit_compile, marks=(
+        () if (policy == "mixed_float16") ^ (kind == "functional") ^ jit_compile
+        else pytest.mark.slow))
+    for policy in ("mixed_float16", "mixed_bfloat16")
+    for kind in ("functional", "subclassed")
+    for jit_compile in (False, True)
+])
 def test_fit_in_mixed_precision(policy, kind, jit_compile):
     kmp.set_policy(policy)
     model = _BUILDERS[kind]()

@@ -198,8 +198,13 @@ def _regularized(kind):
     return kmp.Model(inputs, layers[1](layers[0](inputs)))
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
-@pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
+# A Latin square of model kind x policy in the fast tier (each kind and
+# each policy once), the other six in the slow tier (tests/conftest.py).
+@pytest.mark.parametrize(("kind", "policy"), [
+    pytest.param(kind, policy, marks=() if row == column else pytest.mark.slow)
+    for row, kind in enumerate(("functional", "sequential", "subclassed"))
+    for column, policy in enumerate(("float32", "mixed_float16", "mixed_bfloat16"))
+])
 def test_16_bit_layer_losses_train_save_and_load(policy, kind, tmp_path):
     kmp.set_policy(policy)
     rng = np.random.default_rng(1)

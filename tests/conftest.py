@@ -299,6 +299,10 @@ SLOW = (
     "test_float8.py::test_a_float8_model_round_trips_through_a_keras_file",
     "test_float8.py::test_histories_hold_the_scaled_gradients_under_mixed_float16",
     "test_diagnose.py::test_a_float8_attention_projection_that_loses_accuracy_is_named_with_the_fix",
+    # TensorFlow's mixed-precision guide: its fit and its custom loop, 5 epochs
+    # each (3 s and 5 s); the policy, dtypes and the skipped step stay fast.
+    "test_tf_mixed_precision_guide.py::test_model_fit_trains_with_keras_own_loss_scale_optimizer",
+    "test_tf_mixed_precision_guide.py::test_the_custom_training_loop_divides_gradients_once_and_trains",
 )
 
 

@@ -82,6 +82,17 @@ def _guide_model(dtype=None):
     return keras.Model(inputs=inputs, outputs=outputs), printed
 
 
+def _compiled_guide_model():
+    """The guide's model under kmp's one line, compiled as its two training
+    sections (`Model.fit` and the custom loop) compile it."""
+    kmp.set_policy("mixed_float16")
+    model, _ = _guide_model()
+    model.compile(loss="sparse_categorical_crossentropy",
+                  optimizer=keras.optimizers.RMSprop(),
+                  metrics=["accuracy"])
+    return model
+
+
 def _guide_train_step(model, optimizer, loss_object):
     """The guide's `train_step`, word for word."""
 
@@ -151,11 +162,7 @@ def test_the_guides_model_outputs_float32_after_its_float32_softmax():
 
 
 def test_model_fit_trains_with_keras_own_loss_scale_optimizer():
-    kmp.set_policy("mixed_float16")
-    model, _ = _guide_model()
-    model.compile(loss="sparse_categorical_crossentropy",
-                  optimizer=keras.optimizers.RMSprop(),
-                  metrics=["accuracy"])
+    model = _compiled_guide_model()
     (x_train, y_train), (x_test, y_test) = _digits()
     history = model.fit(x_train, y_train, batch_size=BATCH, epochs=EPOCHS,
                         validation_split=0.2, verbose=0)
@@ -180,11 +187,7 @@ def test_model_fit_trains_with_keras_own_loss_scale_optimizer():
 
 
 def test_the_custom_training_loop_divides_gradients_once_and_trains():
-    kmp.set_policy("mixed_float16")
-    model, _ = _guide_model()
-    model.compile(loss="sparse_categorical_crossentropy",
-                  optimizer=keras.optimizers.RMSprop(),
-                  metrics=["accuracy"])
+    model = _compiled_guide_model()
     (x_train, y_train), (x_test, y_test) = _digits()
     initial_weights = model.get_weights()
 

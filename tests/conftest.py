@@ -247,6 +247,7 @@ SLOW = (
     "test_bfloat16_weights.py::test_stochastic_rounding_skips_a_nan_record_and_resumes_from_a_keras_file",
     "test_bfloat16_weights.py::test_gradient_accumulation_trains_bfloat16_weights_as_mixed_bfloat16",
     "test_bfloat16_weights.py::test_bfloat16_weights_train_alike_on_every_replica_of_a_mirrored_strategy",
+    "test_bfloat16_weights.py::test_each_optimizer_of_a_multi_optimizer_trains_its_bfloat16_weights",
     # Exports (a SavedModel each; on JAX through jax2tf, ~15 s) and loads under two policies.
     "test_bfloat16_weights.py::test_export_of_bfloat16_weights_serves_float32_in_and_out",
     "test_bfloat16_weights.py::test_load_model_under_another_policy_keeps_the_files_bfloat16_weights_and_trains_on",

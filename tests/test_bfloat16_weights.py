@@ -538,3 +538,57 @@ def test_normalization_weights_train_under_bfloat16():
     beta = np.asarray(keras.ops.cast(norm.beta, "float32"))
     assert np.all(gamma != 1.0) and np.all(beta != 0.0)
     assert np.max(np.abs(gamma - 1.0)) > 5e-3 and np.max(np.abs(beta)) > 5e-3
+
+
+def _multi_optimizer(optimizer_map=None):
+    return keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+        default_optimizer=keras.optimizers.Adam(1e-2), optimizer_map=optimizer_map))
+
+
+def _compensated_state(model):
+    """Weights, compensation buffers and Adam's moments, as float32, in order."""
+    kept = ("compensation", "momentum", "velocity")
+    variables = list(model.weights) + [
+        v for v in model.optimizer.variables if any(word in v.name for word in kept)]
+    return [np.asarray(keras.ops.cast(v, "float32")) for v in variables]
+
+
+@pytest.mark.skipif(not hasattr(keras.optimizers, "MultiOptimizer"),
+                    reason="keras.optimizers.MultiOptimizer is new in Keras 3.15")
+@pytest.mark.parametrize("mode", MODES)
+def test_each_optimizer_of_a_multi_optimizer_trains_its_bfloat16_weights(mode):
+    # Keras' MultiOptimizer hands each variable to a sub-optimizer, whose own
+    # update_step and writes update it: each gets the float32 update and the
+    # compensated write (before, the Adam behind it left its weights exactly
+    # as they were). One Adam behind it is the Adam alone, bit for bit, a
+    # skipped NaN record included.
+    x, y = _regression(64)
+    x[37] = np.nan  # the third batch of 16
+    start = _start()
+    states, skipped = [], []
+    for optimizer in (keras.optimizers.Adam(1e-2), _multi_optimizer()):
+        model = _mlp("bfloat16", start=start)
+        model.compile(optimizer, "mse", **MODES[mode])
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        states.append(_compensated_state(model))
+        skipped.append(history.history["skipped_steps"])
+    assert skipped == [[1, 2], [1, 2]]
+    assert len(states[0]) == 4 + 4 + 8  # weights, buffers, moments
+    for ours, alone in zip(states[1], states[0], strict=True):
+        np.testing.assert_array_equal(ours, alone)
+
+    # Adam on the hidden layer, SGD on the output: every weight moves, and the
+    # model ends within 2% of the same split over float32 weights.
+    x, y = _regression()
+    losses = {}
+    for policy in ("bfloat16", "mixed_bfloat16"):
+        model = _mlp(policy, start=start)
+        split = _multi_optimizer({model.layers[-1].path + "/.*": keras.optimizers.SGD(1e-2)})
+        losses[policy] = _fit(model, x, y, mode, optimizer=split).history["loss"]
+        if policy == "bfloat16":
+            for weight, first in zip(model.trainable_weights, start, strict=True):
+                moved = np.asarray(keras.ops.cast(weight, "float32")) != np.asarray(
+                    keras.ops.cast(keras.ops.cast(first, "bfloat16"), "float32"))
+                assert moved.any(), weight.path
+    assert abs(losses["bfloat16"][-1] - losses["mixed_bfloat16"][-1]) <= (
+        0.02 * losses["mixed_bfloat16"][-1]), losses

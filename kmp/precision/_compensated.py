@@ -122,6 +122,9 @@ def float32_updates(optimizer, buffers):
     """For the block, `optimizer` computes each 16-bit variable's update in
     float32 and writes those in `buffers` with Kahan compensation.
 
+    A `keras.optimizers.MultiOptimizer`'s sub-optimizers each compute and
+    write their own variables' updates (`_gate.writers`): each is set up so.
+
     Args:
         optimizer: A built Keras optimizer (not a `kmp.LossScaleOptimizer`:
             its inner optimizer).
@@ -129,6 +132,21 @@ def float32_updates(optimizer, buffers):
             written with compensation and their buffers (`new_buffer`), or
             `None` for a bfloat16 variable rounded stochastically.
     """
+    with contextlib.ExitStack() as stack:
+        seed_offset = 0  # each sub-optimizer's variables draw seeds of their own
+        for writer in _gate.writers(optimizer):
+            if not writer.built:  # a sub-optimizer no variable maps to
+                continue
+            stack.enter_context(_float32_updates_of(writer, buffers, seed_offset))
+            seed_offset += len(_keras_internals.built_variables(writer))
+        yield
+
+
+@contextlib.contextmanager
+def _float32_updates_of(optimizer, buffers, seed_offset):
+    """`float32_updates` for an optimizer that writes its variables itself;
+    a stochastically rounded write's seed counts its variable's index from
+    `seed_offset`."""
     stochastic = {id(variable) for variable, buffer in buffers if buffer is None}
     buffers = {id(variable): buffer for variable, buffer in buffers if buffer is not None}
     known = {}  # id of what update_step may be given -> the keras.Variable
@@ -143,7 +161,8 @@ def float32_updates(optimizer, buffers):
 
     def in_float32(variable, compute, decay=False):
         indices.setdefault(id(variable), _keras_internals.variable_index(optimizer, variable))
-        updating.append([variable, indices[id(variable)] * _WRITES + decay * _WRITES // 2, 0])
+        updating.append([variable, (seed_offset + indices[id(variable)]) * _WRITES
+                         + decay * _WRITES // 2, 0])
         try:
             # A weight made with autocast=False (a normalization layer's)
             # is read in float32 here too.

@@ -64,8 +64,28 @@ def value_of(x):
     return x.value if isinstance(x, keras.Variable) else x
 
 
+def writers(optimizer):
+    """The optimizers that write `optimizer`'s updates: a
+    `keras.optimizers.MultiOptimizer`'s sub-optimizers (Keras 3.15 and
+    later), each through its own `assign` methods; any other, itself."""
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is not None and isinstance(optimizer, multi):
+        return list(optimizer.optimizers)
+    return [optimizer]
+
+
 @contextlib.contextmanager
 def gated_writes(optimizer, keep, around, *, casts_before_adding):
+    """`_gated_writes_of` for each of `optimizer`'s `writers`."""
+    with contextlib.ExitStack() as stack:
+        for writer in writers(optimizer):
+            stack.enter_context(_gated_writes_of(
+                writer, keep, around, casts_before_adding=casts_before_adding))
+        yield
+
+
+@contextlib.contextmanager
+def _gated_writes_of(optimizer, keep, around, *, casts_before_adding):
     """Shadows `optimizer`'s `assign`, `assign_add` and `assign_sub` on the
     instance for the block.
 

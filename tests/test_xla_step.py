@@ -47,9 +47,12 @@ def _data(rows=16):
             rng.normal(size=(rows, 4)).astype("float32"))
 
 
-def _compiled(api, accumulation=None, policy="mixed_float16", **compile_kwargs):
+def _compiled(api, accumulation=None, policy="mixed_float16", multi=False, **compile_kwargs):
     keras.utils.set_random_seed(0)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9, gradient_accumulation_steps=accumulation)
+    if multi:  # Keras' MultiOptimizer with that one optimizer behind it
+        optimizer = keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(default_optimizer=optimizer))
     if api == "keras":
         previous = keras.config.dtype_policy()
         keras.config.set_dtype_policy(policy)
@@ -115,6 +118,21 @@ def test_a_train_step_compiled_by_xla_has_no_conditional_and_copies_no_more_than
     counts = _hlo_counts(_optimized_hlo(model, data))
     assert counts["conditionals"] == keras_counts["conditionals"] == 0, counts
     assert counts["kernel_copies"] <= keras_counts["kernel_copies"], (counts, keras_counts)
+
+
+@pytest.mark.skipif(not hasattr(keras.optimizers, "MultiOptimizer"),
+                    reason="keras.optimizers.MultiOptimizer is new in Keras 3.15")
+@pytest.mark.parametrize("policy", ["mixed_float16", "bfloat16"])
+def test_a_multi_optimizers_step_under_xla_copies_what_its_optimizer_alone_copies(policy):
+    """Keras' MultiOptimizer: its sub-optimizer writes the variables, through
+    its own `assign` methods, which the skip gates as it gates an optimizer
+    alone (`kmp.scaling._gate.writers`): before, those writes escaped the
+    gate and were selected after, and XLA copied each momentum to keep it."""
+    alone, data = _compiled("kmp", policy=policy)
+    model, _ = _compiled("kmp", policy=policy, multi=True)
+    alone_counts = _hlo_counts(_optimized_hlo(alone, data))
+    counts = _hlo_counts(_optimized_hlo(model, data))
+    assert counts == alone_counts, (counts, alone_counts)
 
 
 def test_the_bfloat16_guard_under_xla_is_a_select_as_float16s_skip():

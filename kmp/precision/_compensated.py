@@ -135,8 +135,8 @@ def float32_updates(optimizer, buffers):
     with contextlib.ExitStack() as stack:
         seed_offset = 0  # each sub-optimizer's variables draw seeds of their own
         for writer in _gate.writers(optimizer):
-            if not writer.built:  # a sub-optimizer no variable maps to
-                continue
+            if writer is not optimizer and not writer.built:
+                continue  # a sub-optimizer no variable maps to: Keras never builds it
             stack.enter_context(_float32_updates_of(writer, buffers, seed_offset))
             seed_offset += len(_keras_internals.built_variables(writer))
         yield

@@ -132,23 +132,24 @@ def float32_updates(optimizer, buffers):
             written with compensation and their buffers (`new_buffer`), or
             `None` for a bfloat16 variable rounded stochastically.
     """
+    stochastic = {id(variable) for variable, buffer in buffers if buffer is None}
+    buffers = {id(variable): buffer for variable, buffer in buffers if buffer is not None}
     with contextlib.ExitStack() as stack:
         seed_offset = 0  # each sub-optimizer's variables draw seeds of their own
         for writer in _gate.writers(optimizer):
             if writer is not optimizer and not writer.built:
                 continue  # a sub-optimizer no variable maps to: Keras never builds it
-            stack.enter_context(_float32_updates_of(writer, buffers, seed_offset))
+            stack.enter_context(_float32_updates_of(writer, buffers, stochastic, seed_offset))
             seed_offset += len(_keras_internals.built_variables(writer))
         yield
 
 
 @contextlib.contextmanager
-def _float32_updates_of(optimizer, buffers, seed_offset):
-    """`float32_updates` for an optimizer that writes its variables itself;
-    a stochastically rounded write's seed counts its variable's index from
-    `seed_offset`."""
-    stochastic = {id(variable) for variable, buffer in buffers if buffer is None}
-    buffers = {id(variable): buffer for variable, buffer in buffers if buffer is not None}
+def _float32_updates_of(optimizer, buffers, stochastic, seed_offset):
+    """`float32_updates` for an optimizer that writes its variables itself:
+    `buffers` maps the `id` of each variable written with compensation to
+    its buffer, `stochastic` holds the `id`s of those rounded stochastically,
+    whose seed counts the variable's index from `seed_offset`."""
     known = {}  # id of what update_step may be given -> the keras.Variable
     for variable in _keras_internals.built_variables(optimizer):
         known[id(variable)] = variable

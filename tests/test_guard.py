@@ -248,7 +248,13 @@ def test_the_monitor_reports_a_skip_under_bfloat16_without_a_loss_scale(tmp_path
     x, y = _with_a_nan_record()
     model = _mlp("mixed_bfloat16")
     monitor = kmp.callbacks.LossScaleMonitor(csv_path=tmp_path / "steps.csv")
-    _fit(model, x, y, "xla", epochs=1, callbacks=[monitor])
+    with pytest.warns(UserWarning, match="skipped 1 of 4 steps") as warned:
+        _fit(model, x, y, "xla", epochs=1, callbacks=[monitor])
+    # Its causes are bfloat16's: the data or an undefined operation, not a
+    # layer overflowing float16 nor a loss scale.
+    message = str(warned[0].message)
+    assert "check the data with np.isfinite" in message
+    assert "float16" not in message.replace("bfloat16", "") and "loss scal" not in message
     out = capsys.readouterr().out
     assert "epoch 1: 1 of 4 steps skipped (25.0%: 0 backward, 1 forward)\n" in out
     assert "loss scale" not in out
@@ -257,6 +263,21 @@ def test_the_monitor_reports_a_skip_under_bfloat16_without_a_loss_scale(tmp_path
     assert [(row["step"], row["skipped"], row["reason"]) for row in rows] == [
         ("1", "0", ""), ("2", "0", ""), ("3", "1", "forward"), ("4", "0", "")]
     assert monitor.epoch_summaries[0]["scaling"] is False
+
+
+def test_the_monitor_stops_a_bfloat16_run_of_corrupt_records_naming_the_data(capsys):
+    x, y = _regression()
+    x[16:] = np.nan  # every batch after the first: a corrupt record
+    model = _mlp("mixed_bfloat16")
+    monitor = kmp.callbacks.LossScaleMonitor(max_consecutive_skips=3, warn_skip_rate=None)
+    _fit(model, x, y, "graph", epochs=2, callbacks=[monitor])
+    assert monitor.stopped_step == 4 and model.stop_training
+    assert int(np.asarray(model.optimizer.skipped_steps)) == 3
+    message = monitor.stop_message
+    assert "the loss itself was not finite" in message
+    assert "check the data with np.isfinite" in message
+    # Nothing scales under bfloat16: no loss scale, and no float16 layer.
+    assert "loss scale" not in message and "float32" not in message
 
 
 # Loss spikes: 70 ordinary batches, then one whose targets are 1e4 times larger.

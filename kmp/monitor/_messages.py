@@ -180,12 +180,20 @@ def skip_rate_warning(summary, warn_skip_rate):
         )
     scaling = summary.get("scaling", True)
     causes = []
-    if summary["forward"]:
+    if summary["forward"] and scaling:
         causes.append(
             "inputs or labels containing inf/NaN, or a layer overflowing "
             "float16 in the forward pass (large activations, exp, sums of "
             "squares): check the data with np.isfinite and give that layer "
             'dtype="float32"'
+        )
+    elif summary["forward"]:
+        # bfloat16 and float32 reach float32's range: a NaN there comes
+        # from the data or an undefined operation, not from 16 bits.
+        causes.append(
+            "inputs or labels containing inf/NaN, or an operation undefined "
+            "at its input in the forward pass (log or division by 0, sqrt of "
+            "a negative): check the data with np.isfinite"
         )
     if summary["backward"]:
         causes.append(
@@ -222,13 +230,20 @@ def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False)
         scale: Float. The loss scale now, or `None` where nothing scales.
         spikes: Bool. Whether loss spikes are skipped too.
     """
-    if forward:
+    if forward and scale is not None:
         why = (
             "the loss itself was not finite at each of them (forward "
             "overflow): the inputs or labels contain inf/NaN, or a layer "
             "overflows in the forward pass. Lowering the loss scale cannot "
             "help; check the data with np.isfinite and compute the "
             "overflowing layer in float32"
+        )
+    elif forward:
+        why = (
+            "the loss itself was not finite at each of them: the inputs or "
+            "labels contain inf/NaN, or an operation is undefined at its "
+            "input (log or division by 0, sqrt of a negative); check the "
+            "data with np.isfinite"
         )
     else:
         where = f" (first in {shorten_names(names)})" if names else ""

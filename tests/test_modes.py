@@ -13,12 +13,19 @@ is the one-hot `e_b`, so batch `b` owns kernel coordinate `b` and
 target). The gradient at the scale `s` is `s * t_b` in float16: a target of
 `3 * 2**j` overflows at `s = 2**(15 - j)` and not at half of it.
 
+The guard's cases (issue 46) run the same model under the other policies:
+a NaN target is a corrupt record (its loss and every gradient are NaN: a
+step that applied it would make the whole kernel NaN), skipped under every
+policy and never redone; a target far above the others is a loss spike,
+skipped with `skip_spikes` (the loss of batch `b` is `k_b * t_b`).
+
 A new case is one more row of `ROWS`.
 """
 
 import collections
 import csv
 import dataclasses
+import math
 import os
 
 import keras
@@ -32,6 +39,7 @@ BACKEND = keras.backend.backend()
 FLOAT16_MAX = 65504.0
 SETTLING_RETRIES = 32
 LEARNING_RATE = 0.01
+NAN = float("nan")
 MODES = {
     "eager": dict(run_eagerly=True),
     "graph": dict(jit_compile=False),
@@ -43,15 +51,22 @@ MODES = {
 # -- the reference ---------------------------------------------------------
 
 
-def reference(epochs, retries="auto", scale=2.0**15, stop=None):
+def reference(epochs, retries="auto", scale=2.0**15, stop=None, loss_scaling=True,
+              spikes=None):
     """Which batches a fit applies, in plain Python: the scaler's rule
     (backoff 0.5, hysteresis 1, min_scale 1, no growth within the run) and
     kmp's retries (`"auto"`: up to 32 until the first applied step, then
-    none; an int: that many for every batch).
+    none; an int: that many for every batch). A NaN target (a corrupt
+    record: its loss is not finite) is skipped, never redone, and backs the
+    scale off; a loss spike (`spikes`: the z-score threshold; OLMo-core's
+    rule, window 128, none before 64 losses) is skipped. Without loss
+    scaling the scale stays 1 and nothing overflows.
 
     Args:
         epochs: List of epochs, each a list of `(batch, target)`.
         stop: Optional `(epoch, index)`: the last batch that runs.
+        loss_scaling: Whether the policy scales the loss (float16).
+        spikes: Optional float: `compile(skip_spikes=...)`.
 
     Returns:
         A dict: `applied` (Counter of batch -> applications), `iterations`,
@@ -60,11 +75,24 @@ def reference(epochs, retries="auto", scale=2.0**15, stop=None):
         applied, in order).
     """
     applied, skipped, retried, settled = collections.Counter(), 0, 0, False
-    per_epoch, sequence = [], []
+    per_epoch, sequence, losses = [], [], []
+    scale = scale if loss_scaling else 1.0
     for e, batches in enumerate(epochs):
         for index, (batch, target) in enumerate(batches):
             budget = (0 if settled else SETTLING_RETRIES) if retries == "auto" else retries
+            loss = target * (1.0 - LEARNING_RATE * target * applied[batch])
+            spike = spikes is not None and _is_spike(losses, loss, spikes)
+            if math.isfinite(loss):
+                losses.append(loss)
             while True:
+                if not math.isfinite(loss) or spike:
+                    skipped += 1
+                    scale = max(scale / 2, 1.0) if loss_scaling and not spike else scale
+                    break
+                if not loss_scaling:
+                    applied[batch] += 1
+                    sequence.append(batch)
+                    break
                 if scale * target <= FLOAT16_MAX:
                     applied[batch] += 1
                     sequence.append(batch)
@@ -84,6 +112,16 @@ def reference(epochs, retries="auto", scale=2.0**15, stop=None):
         break
     return dict(applied=applied, iterations=sum(applied.values()), skipped=skipped,
                 retried=retried, scale=scale, per_epoch=per_epoch, sequence=sequence)
+
+
+def _is_spike(losses, loss, threshold, window=128, warmup=64):
+    """OLMo-core's z-score rule, in float64: `loss` more than `threshold`
+    sample standard deviations above the mean of the last `window` finite
+    losses, once `warmup` have been seen."""
+    if len(losses) < warmup or not math.isfinite(loss):
+        return False
+    recent = np.asarray(losses[-window:], "float64")
+    return bool(loss - recent.mean() > threshold * recent.std(ddof=1))
 
 
 # -- one run ----------------------------------------------------------------
@@ -107,9 +145,9 @@ def product_loss(y_true, y_pred):
     return ops.mean(y_pred * y_true)
 
 
-def _build(batches, batch_norm=False):
+def _build(batches, batch_norm=False, policy="mixed_float16"):
     keras.utils.set_random_seed(0)
-    with kmp.policy_scope("mixed_float16"):
+    with kmp.policy_scope(policy):
         inputs = keras.Input((batches,))
         outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
                                      name="owner")(inputs)
@@ -147,12 +185,14 @@ class Row:
     after: object = None          # callable(model, record), after the fit
     fast: bool = False
     backends: tuple = ("tensorflow", "jax")
+    policy: str = "mixed_float16"
+    compile: dict = dataclasses.field(default_factory=dict)  # more compile arguments
 
 
 def _run(row, mode, tmp_path):
     targets = [float(t) for t in row.targets]
-    model = _build(len(targets), row.batch_norm)
-    compile_kwargs = dict(MODES[mode])
+    model = _build(len(targets), row.batch_norm, row.policy)
+    compile_kwargs = dict(MODES[mode], **row.compile)
     model.compile(keras.optimizers.SGD(LEARNING_RATE), product_loss,
                   metrics=["mae"] + ([ReturnsItsVariable()] if row.metric else []),
                   overflow_retries=row.retries, **compile_kwargs)
@@ -177,9 +217,7 @@ def _run(row, mode, tmp_path):
     record["history"] = None if history is None else history.history
     if row.after:
         row.after(model, record)
-    kernel = np.asarray(model.get_layer("owner").kernel).ravel()
-    counts = {b: int(round((1.0 - kernel[b]) / (LEARNING_RATE * t)))
-              for b, t in enumerate(targets)}
+    counts = _counts(model, targets)
     optimizer = model.optimizer
     record.update(
         applied={b: n for b, n in counts.items() if n},
@@ -192,9 +230,21 @@ def _run(row, mode, tmp_path):
     return record
 
 
-def _expected(row):
+def _counts(model, targets):
+    """How often each batch was applied, read off the kernel: a NaN
+    record's coordinate is 0 if it stayed 1 exactly (never applied), and
+    a kernel a NaN step reached is NaN everywhere (`int` raises)."""
+    kernel = np.asarray(model.get_layer("owner").kernel).astype("float64").ravel()
+    return {b: (0 if kernel[b] == 1.0 else -1) if math.isnan(t)
+            else int(round((1.0 - kernel[b]) / (LEARNING_RATE * t)))
+            for b, t in enumerate(targets)}
+
+
+def _expected(row, stop=None):
     epochs = [list(enumerate(row.targets))] * row.epochs
-    return reference(epochs, row.retries, stop=row.stop_at)
+    return reference(epochs, row.retries, stop=stop or row.stop_at,
+                     loss_scaling=row.policy == "mixed_float16",
+                     spikes=row.compile.get("skip_spikes"))
 
 
 # -- the table ----------------------------------------------------------------
@@ -250,7 +300,7 @@ def _evaluate_after_interrupt(model, record):
 def _checkpoint_every(freq):
     def callbacks(model, record):
         path = str(record["tmp"] / "checkpoint.weights.h5")
-        record["checkpoint"] = path
+        record["checkpoint"], record["checkpoint_freq"] = path, freq
         return [keras.callbacks.ModelCheckpoint(path, save_weights_only=True, save_freq=freq)]
     return callbacks
 
@@ -295,6 +345,30 @@ ROWS = [
     # jax.jit's abstractification): TensorFlow only, where Keras trains it.
     Row("a metric returning its variable", (1, 3, 1, 1), retries=2, metric=True,
         backends=("tensorflow",)),
+    # The guard (issue 46): a corrupt record and a loss spike, every policy.
+    Row("a NaN record under mixed_float16", (1, NAN, 1, 1), retries=2),
+    Row("a NaN record first under mixed_float16", (NAN, 12, 1, 1)),
+    Row("a NaN record under mixed_bfloat16", (1, NAN, 1, NAN), policy="mixed_bfloat16",
+        epochs=2),
+    Row("a NaN record under bfloat16 weights", (NAN, 1, 1, 1), policy="bfloat16"),
+    Row("a NaN record under float32 with skip_nonfinite", (1, 1, 1, NAN), policy="float32",
+        compile=dict(skip_nonfinite=True)),
+    Row("the monitor, a NaN record under mixed_bfloat16", (1, NAN, 1, NAN),
+        policy="mixed_bfloat16", callbacks=_monitor),
+    Row("batch normalization, a NaN record under mixed_bfloat16", (1, NAN, 1, 1),
+        policy="mixed_bfloat16", batch_norm=True),
+    Row("a checkpoint mid-epoch after a NaN record", (1, NAN, 1, 1),
+        policy="mixed_bfloat16", callbacks=_checkpoint_every(3), modes=("eager", "graph", "xla")),
+    Row("interrupt at a NaN record, then evaluate", (1, NAN, 1, 1), policy="mixed_bfloat16",
+        callbacks=_interrupt_at(1), stop_at=(0, 1), after=_evaluate_after_interrupt,
+        modes=("eager", "graph", "xla")),
+    Row("a metric returning its variable, a NaN record", (1, NAN, 1, 1),
+        policy="mixed_bfloat16", metric=True, backends=("tensorflow",)),
+    # 70 losses of 1, then one 10**4 times higher: past the warmup of 64,
+    # a spike; the same batch without skip_spikes is applied.
+    Row("a loss spike with skip_spikes", (1,) * 70 + (1e4, 1), policy="mixed_bfloat16",
+        compile=dict(skip_spikes=6.0)),
+    Row("a loss spike without skip_spikes", (1,) * 70 + (1e4, 1), policy="mixed_bfloat16"),
 ]
 
 
@@ -314,8 +388,10 @@ def _check_row(row, tmp_path):
         runs[mode] = got
     first = runs[row.modes[0]]
     for mode, got in runs.items():
-        # History and compiled metrics: the same in every mode.
+        # History and compiled metrics: finite (they describe the applied
+        # steps) and the same in every mode.
         if first["history"] is not None:
+            assert all(np.isfinite(v).all() for v in got["history"].values()), got["history"]
             assert set(got["history"]) == set(first["history"]), (mode, got["history"])
             for key, values in first["history"].items():
                 np.testing.assert_allclose(got["history"][key], values, rtol=2e-3, atol=1e-6,
@@ -336,14 +412,14 @@ def _check_row(row, tmp_path):
 
 
 def _check_checkpoint(row, got):
-    """The weights saved after batch 3 (index 2, which overflowed and was
-    redone) hold batches 0 to 2, each applied once."""
-    model = _build(len(row.targets))
-    model.load_weights(got["checkpoint"])  # the last save: after batch 3
-    kernel = np.asarray(model.get_layer("owner").kernel).ravel()
-    saved = {b: int(round((1.0 - kernel[b]) / (LEARNING_RATE * t)))
-             for b, t in enumerate(row.targets)}
-    assert saved == {0: 1, 1: 1, 2: 1, 3: 0}, saved
+    """The weights saved every `freq` batches (the last save, one epoch
+    of fewer than `2 * freq` batches) hold what the reference applied up to
+    that batch: a batch that overflowed there was redone before the save."""
+    freq = got["checkpoint_freq"]
+    model = _build(len(row.targets), policy=row.policy)
+    model.load_weights(got["checkpoint"])
+    saved = {b: n for b, n in _counts(model, [float(t) for t in row.targets]).items() if n}
+    assert saved == dict(_expected(row, stop=(0, freq - 1))["applied"]), saved
 
 
 def _check_monitor_rows(row, got, expected, steps_per_execution):
@@ -385,3 +461,13 @@ def test_the_reference_counts_by_hand():
     # The first batch settles the scale: 48 = 3 * 2**4 overflows down to 2**10.
     settling = reference([list(enumerate((48, 1)))])
     assert (settling["retried"], settling["scale"], settling["iterations"]) == (5, 2.0**10, 2)
+    # A NaN record is skipped, not redone, and backs the scale off (float16)
+    # or leaves it at 1 (no loss scaling).
+    corrupt = reference([list(enumerate((1, NAN, 1)))], retries=2)
+    assert (corrupt["skipped"], corrupt["retried"], corrupt["scale"]) == (1, 0, 2.0**14)
+    assert dict(corrupt["applied"]) == {0: 1, 2: 1}
+    assert reference([list(enumerate((NAN, 1)))], loss_scaling=False)["scale"] == 1.0
+    # A spike counts only after 64 losses: the 65th batch of 10 is one.
+    losses = [(b, 1.0) for b in range(64)]
+    assert reference([losses + [(64, 10.0)]], loss_scaling=False, spikes=6.0)["skipped"] == 1
+    assert reference([losses[:63] + [(64, 10.0)]], loss_scaling=False, spikes=6.0)["skipped"] == 0

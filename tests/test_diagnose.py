@@ -255,6 +255,13 @@ def test_weights_stored_in_bfloat16_are_named_with_the_optimizer_that_cannot_mov
     assert "Adam's step is 0 (beta_2=0.999 rounds to 1 in bfloat16)" in finding["message"]
     assert "kmp.convert(model, 'bfloat16')" in finding["fix"]
     assert "kmp.set_policy('mixed_bfloat16')" in finding["fix"]
+    # Behind a MultiOptimizer (Keras 3.15), the sub-optimizer is named.
+    if hasattr(keras.optimizers, "MultiOptimizer"):
+        multi = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            keras.optimizers.Adam(), {".*bias": keras.optimizers.SGD()}))
+        (finding,) = _weight_findings(_weights_in("bfloat16", multi))
+        assert ("the step of Adam (beta_2=0.999) behind the MultiOptimizer is 0 (beta_2 rounds "
+                "to 1 in bfloat16), so the weights it updates never change") in finding["message"]
     # SGD moves them, but loses what is below half a step.
     (finding,) = _weight_findings(_weights_in("bfloat16", keras.optimizers.SGD()))
     assert "is lost." in finding["message"] and "never" not in finding["message"]

@@ -18,6 +18,7 @@ from kmp import _keras_internals
 from kmp.diagnosis._float16 import FLOAT16_SMALLEST_NORMAL
 from kmp.diagnosis._float16 import OVERFLOW_AT
 from kmp.precision import _token_ids
+from kmp.scaling import _gate
 
 # Keras layers that add their epsilon in float32 whatever their compute dtype
 # (their statistics are computed in at least float32).
@@ -233,10 +234,7 @@ def _weight_dtype_findings(model):
             f"are stored in {dtype} ({names}). Keras' optimizers compute an update in the "
             f"weight's dtype and round it there: an update below half a {dtype} step "
             f"({'2**-9 to 2**-8' if dtype == 'bfloat16' else '2**-12 to 2**-11'} of the weight) is lost")
-        beta_2 = getattr(optimizer, "beta_2", None)
-        if isinstance(beta_2, float) and float(keras.ops.cast(beta_2, dtype)) == 1.0:
-            message += (f", and {type(optimizer).__name__}'s step is 0 (beta_2={beta_2:g} "
-                        f"rounds to 1 in {dtype}), so these weights never change")
+        message += _stalled_step(optimizer, dtype)
         findings.append(_finding(
             "16-bit weights", model, message + ".",
             f"train it as a kmp.Model, whose optimizer computes each update in float32 and "
@@ -245,6 +243,26 @@ def _weight_dtype_findings(model):
             f"kmp.set_policy('mixed_{dtype}') (a layer's dtype='mixed_{dtype}', not '{dtype}')",
         ))
     return findings
+
+
+def _stalled_step(optimizer, dtype):
+    """What a finding adds where an optimizer's step is 0 in `dtype` (Adam's
+    `beta_2=0.999` rounds to 1 in bfloat16), for the optimizer itself or
+    each of a `keras.optimizers.MultiOptimizer`'s sub-optimizers."""
+    if optimizer is None:
+        return ""
+    stalled = [(writer, writer.beta_2) for writer in _gate.writers(optimizer)
+               if isinstance(getattr(writer, "beta_2", None), float)
+               and float(keras.ops.cast(writer.beta_2, dtype)) == 1.0]
+    if not stalled:
+        return ""
+    if stalled[0][0] is optimizer:
+        return (f", and {type(optimizer).__name__}'s step is 0 (beta_2={stalled[0][1]:g} "
+                f"rounds to 1 in {dtype}), so these weights never change")
+    names = " and ".join(f"{type(w).__name__} (beta_2={b:g})" for w, b in stalled)
+    return (f", and the step of {names} behind the {type(optimizer).__name__} is 0 (beta_2 "
+            f"rounds to 1 in {dtype}), so the weights {'it updates' if len(stalled) == 1 else 'they update'} "
+            "never change")
 
 
 def _token_id_findings(model, reduced):

@@ -257,6 +257,25 @@ def test_stop_step_is_exact_with_steps_per_execution():
     assert "gate/trouble" in monitor.stop_message
 
 
+def test_stop_at_the_scales_floor_says_the_gradients_overflow_unscaled():
+    # The scale is at its floor from the start: every backward skip there
+    # overflowed float16 unscaled, so a lower learning rate is not the first fix.
+    optimizer = kmp.LossScaleOptimizer("sgd", initial_scale=4.0, min_scale=4.0)
+    model = _model(optimizer=optimizer)
+    monitor = kmp.callbacks.LossScaleMonitor(max_consecutive_skips=3, verbose=0, warn_skip_rate=None)
+    _fit(model, _data(6, backward=range(1, 7)), callbacks=[monitor])
+    assert monitor.stopped_step == 3
+    message = monitor.stop_message
+    assert "the loss scale is down to 4, its min_scale: the gradients overflow float16" in message
+    assert "min_scale=2**-8" in message and "gate/trouble" in message
+    # Above the floor, the message is the diverging weights' one.
+    model = _model()
+    monitor = kmp.callbacks.LossScaleMonitor(max_consecutive_skips=3, verbose=0, warn_skip_rate=None)
+    _fit(model, _data(6, backward=range(1, 7)), callbacks=[monitor])
+    assert "likely diverging" in monitor.stop_message
+    assert "min_scale" not in monitor.stop_message
+
+
 def test_scale_forced_too_high_in_float16(tmp_path):
     kmp.set_policy("mixed_float16")
     keras.utils.set_random_seed(0)

@@ -217,7 +217,8 @@ def skip_rate_warning(summary, warn_skip_rate):
     )
 
 
-def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False):
+def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False,
+                 min_scale=None):
     """Why training stops at `stopped_step` after `limit` consecutive skips.
 
     Args:
@@ -229,6 +230,7 @@ def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False)
         names: List of the variables whose gradients were not finite.
         scale: Float. The loss scale now, or `None` where nothing scales.
         spikes: Bool. Whether loss spikes are skipped too.
+        min_scale: Float. A dynamic scale's floor, or `None`.
     """
     if forward and scale is not None:
         why = (
@@ -250,11 +252,21 @@ def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False)
         scale_now = "" if scale is None else (
             f", and the loss scale is down to {format_scale(scale)}")
         spiked = " (or their loss spiked: skip_spikes)" if spikes else ""
+        if min_scale is not None and scale is not None and scale <= min_scale:
+            # Keras' own scaler has no floor and would go on halving.
+            advice = (
+                f", its min_scale: the gradients overflow float16 even so. "
+                "Compute the layer they overflow in in float32 (kmp.diagnose "
+                "names it), let the scale fall further "
+                "(kmp.LossScaleOptimizer(optimizer, min_scale=2**-8)), or "
+                "lower the learning rate if the weights are diverging"
+            )
+        else:
+            advice = (": the weights are likely diverging. Try a lower learning "
+                      "rate or gradient clipping (global_clipnorm=1.0)")
         why = (
             "their gradients were not finite although the loss was "
-            f"{where}{spiked}{scale_now}: "
-            "the weights are likely diverging. Try a lower learning rate or "
-            "gradient clipping (global_clipnorm=1.0)"
+            f"{where}{spiked}{scale_now}{advice}"
         )
     after = (
         f" Training stops after step {step}, the end of that execution "

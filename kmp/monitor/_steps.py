@@ -149,6 +149,7 @@ class WatchedOptimizer:
         return step, self.say(messages.stop_message(
             step, ledger.step, limit, forward, ledger.last_names,
             ledger.scale if optimizer.scaling else None, optimizer.skip_spikes is not None,
+            optimizer.min_scale if optimizer.dynamic else None,
         ))
 
     def end_epoch(self):

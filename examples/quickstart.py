@@ -103,8 +103,13 @@ def main(argv=None):
     if "loss_scale" in history.history:
         print(f"final loss scale: {history.history['loss_scale'][-1]:g}")
     else:
+        # kmp's guard skips a step that is not finite under bfloat16; under
+        # float32 the step stays Keras' own unless compile asks for it.
+        guarded = isinstance(model.optimizer, kmp.LossScaleOptimizer)
         print(f"no loss scaling: {policy.compute_dtype} does not need it "
-              "(a step that is not finite is still skipped)")
+              + ("(a step that is not finite is still skipped)" if guarded else
+                 "(Keras' own step: compile(..., skip_nonfinite=True) skips a step "
+                 "that is not finite)"))
 
     if importlib.util.find_spec("tensorflow") is None:
         print(

@@ -120,11 +120,12 @@ def test_quickstart_trains_exports_and_reloads(policy, how, tmp_path, capsys):
     elif output.startswith("policy: mixed_bfloat16"):
         # Nothing is scaled, but the guard skips non-finite steps: the
         # monitor reports each epoch (without a scale) and draws the losses.
-        assert "no loss scaling" in output
+        assert "no loss scaling" in output and "still skipped" in output
         assert "epoch 1:" in output and "loss scale" not in output.split("epoch 1:")[1][:80]
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:  # float32: Keras' step, nothing to monitor or draw
-        assert "no loss scaling" in output
+        assert "no loss scaling" in output and "still skipped" not in output
+        assert "compile(..., skip_nonfinite=True)" in output
         assert not plot.exists()
 
 

@@ -255,9 +255,9 @@ def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False,
         if min_scale is not None and scale is not None and scale <= min_scale:
             # Keras' own scaler has no floor and would go on halving.
             advice = (
-                f", its min_scale: the gradients overflow float16 even so. "
-                "Compute the layer they overflow in in float32 (kmp.diagnose "
-                "names it), let the scale fall further "
+                ", its min_scale: the gradients overflow float16 even so. "
+                "Compute the layers whose gradients overflow in float32 "
+                "(kmp.diagnose names them), let the scale fall further "
                 "(kmp.LossScaleOptimizer(optimizer, min_scale=2**-8)), or "
                 "lower the learning rate if the weights are diverging"
             )

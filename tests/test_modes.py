@@ -85,15 +85,11 @@ def reference(epochs, retries="auto", scale=2.0**15, stop=None, loss_scaling=Tru
             if math.isfinite(loss):
                 losses.append(loss)
             while True:
-                if not math.isfinite(loss) or spike:
+                if not math.isfinite(loss) or spike:  # skipped, never redone
                     skipped += 1
                     scale = max(scale / 2, 1.0) if loss_scaling and not spike else scale
                     break
-                if not loss_scaling:
-                    applied[batch] += 1
-                    sequence.append(batch)
-                    break
-                if scale * target <= FLOAT16_MAX:
+                if not loss_scaling or scale * target <= FLOAT16_MAX:
                     applied[batch] += 1
                     sequence.append(batch)
                     settled = True

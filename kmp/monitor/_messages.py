@@ -155,6 +155,12 @@ def epoch_line(summary):
     )
 
 
+# Where a non-finite loss comes from, besides the data, when nothing computes
+# in float16 (bfloat16 and float32 reach float32's range).
+UNDEFINED_OPERATION = ("an operation undefined at its input (log or division by 0, "
+                       "sqrt of a negative)")
+
+
 def skip_rate_warning(summary, warn_skip_rate):
     """The warning for an epoch that skipped more than `warn_skip_rate`."""
     parts = []
@@ -188,12 +194,9 @@ def skip_rate_warning(summary, warn_skip_rate):
             'dtype="float32"'
         )
     elif summary["forward"]:
-        # bfloat16 and float32 reach float32's range: a NaN there comes
-        # from the data or an undefined operation, not from 16 bits.
         causes.append(
-            "inputs or labels containing inf/NaN, or an operation undefined "
-            "at its input in the forward pass (log or division by 0, sqrt of "
-            "a negative): check the data with np.isfinite"
+            f"inputs or labels containing inf/NaN, or {UNDEFINED_OPERATION} "
+            "in the forward pass: check the data with np.isfinite"
         )
     if summary["backward"]:
         causes.append(
@@ -243,9 +246,8 @@ def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False,
     elif forward:
         why = (
             "the loss itself was not finite at each of them: the inputs or "
-            "labels contain inf/NaN, or an operation is undefined at its "
-            "input (log or division by 0, sqrt of a negative); check the "
-            "data with np.isfinite"
+            f"labels contain inf/NaN, or there is {UNDEFINED_OPERATION}; "
+            "check the data with np.isfinite"
         )
     else:
         where = f" (first in {shorten_names(names)})" if names else ""

@@ -154,10 +154,11 @@ def test_wrapping_a_model_without_a_config_says_what_it_changes_in_the_original(
     model(x)
     with pytest.warns(UserWarning) as record:
         converted = kmp.convert(model, "mixed_float16")
-    (message,) = [str(w.message) for w in record if "kmp.convert" in str(w.message)]
+    (warned,) = [w for w in record if "kmp.convert" in str(w.message)]
+    message = str(warned.message)
     assert "the original's layers compute under mixed_float16 from now on" in message
     assert "float16 without loss scaling: compile and fit the result" in message
-    assert record[0].filename == __file__
+    assert warned.filename == __file__
     assert converted.wrapped is model
     assert [layer.compute_dtype for layer in model.layers] == ["float16", "float16"]
     guide = (pathlib.Path(__file__).parents[1] / "docs" / "bringing-models.md").read_text()

@@ -301,14 +301,19 @@ def test_every_relative_link_resolves(path):
     assert not broken, f"{_name(path)}: " + "; ".join(broken)
 
 
+def _conftest_tuple(name):
+    conftest = ast.parse((_ROOT / "tests" / "conftest.py").read_text())
+    (value,) = [
+        ast.literal_eval(node.value) for node in conftest.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name
+    ]
+    return value
+
+
 def test_the_slow_tier_names_tests_that_exist():
     # tests/conftest.py marks tests slow by file and name: a renamed test
     # would silently join the fast tier.
-    conftest = ast.parse((_ROOT / "tests" / "conftest.py").read_text())
-    (SLOW,) = [
-        ast.literal_eval(node.value) for node in conftest.body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SLOW"
-    ]
+    SLOW = _conftest_tuple("SLOW")
     missing = []
     functions = {}  # each file parsed once: SLOW names up to 16 tests of one file
     for entry in SLOW:
@@ -329,6 +334,25 @@ def test_the_slow_tier_names_tests_that_exist():
             if name not in functions[source]:
                 missing.append(entry)
     assert not missing, f"tests/conftest.py SLOW names tests that do not exist: {missing}"
+
+
+def test_the_ci_script_names_test_files_that_exist_and_jax_files_for_its_jax_passes():
+    # .ci/run names the files its older-Keras parts and its pass without
+    # TensorFlow run: a renamed file would make pytest fail there only, a file
+    # of the TensorFlow pass in a JAX list would run nothing on JAX.
+    ci = (_ROOT / ".ci" / "run").read_text()
+    lists = {name: body.split() for name, body in
+             re.findall(r"^([A-Z_]+_TESTS)=\(([^)]*)\)", ci, flags=re.MULTILINE)}
+    assert set(lists) == {"CORE_TESTS", "JAX_WITHOUT_TENSORFLOW_TESTS"}, sorted(lists)
+    for name, files in lists.items():
+        missing = [file for file in files if not (_ROOT / file).is_file()]
+        assert files and not missing, (name, missing)
+    jax_files = set(_conftest_tuple("JAX_TESTS"))
+    minors_on_jax = re.findall(r'jax_pass "\$venv/bin/python" ([^-]*) -k', ci)
+    assert len(minors_on_jax) == 1, minors_on_jax
+    for file in lists["JAX_WITHOUT_TENSORFLOW_TESTS"] + minors_on_jax[0].split():
+        assert file.removeprefix("tests/") in jax_files, file
+    assert "tests/test_without_tensorflow.py" in lists["JAX_WITHOUT_TENSORFLOW_TESTS"]
 
 
 def test_readme_is_a_front_page():

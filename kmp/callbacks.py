@@ -355,7 +355,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 and messages.skip_rate(summary) > self.warn_skip_rate
             ):
                 self._pending.add_warning(watched.say(
-                    messages.skip_rate_warning(summary, self.warn_skip_rate)
+                    messages.skip_rate_warning(summary, self.warn_skip_rate, watched.scale_floor)
                 ))
 
     def on_train_end(self, logs=None):

@@ -161,8 +161,9 @@ UNDEFINED_OPERATION = ("an operation undefined at its input (log or division by 
                        "sqrt of a negative)")
 
 
-def skip_rate_warning(summary, warn_skip_rate):
-    """The warning for an epoch that skipped more than `warn_skip_rate`."""
+def skip_rate_warning(summary, warn_skip_rate, floor=None):
+    """The warning for an epoch that skipped more than `warn_skip_rate`
+    (`floor`: a dynamic loss scale's `min_scale`, or `None`)."""
     parts = []
     if summary["backward"]:
         where = (
@@ -198,12 +199,22 @@ def skip_rate_warning(summary, warn_skip_rate):
             f"inputs or labels containing inf/NaN, or {UNDEFINED_OPERATION} "
             "in the forward pass: check the data with np.isfinite"
         )
+    at_floor = (summary["backward"] and scaling and floor is not None
+                and summary["min_scale"] <= floor)
+    if at_floor:
+        # Keras' own scaler has no floor and would go on halving.
+        causes.append(
+            f"the loss scale fell to its min_scale ({format_scale(floor)}) this epoch, "
+            "where a gradient that overflows overflows float16 even unscaled: compute "
+            "those layers in float32 (kmp.diagnose names them) or let the scale fall "
+            "further (kmp.LossScaleOptimizer(optimizer, min_scale=2**-8))"
+        )
     if summary["backward"]:
         causes.append(
             "a learning rate too high, so the weights diverge: lower it or "
             "clip the gradients (global_clipnorm=1.0)"
             + ("; if the scale keeps growing back into overflows, raise growth_interval"
-               if scaling else "")
+               if scaling and not at_floor else "")
         )
     if summary.get("spikes"):
         causes.append(

@@ -117,6 +117,13 @@ class WatchedOptimizer:
         """
         return not self.several or self.ledger.step > self._first_step
 
+    @property
+    def scale_floor(self):
+        """A dynamic loss scale's `min_scale`, or `None` (a fixed scale, or
+        none: nothing falls to a floor)."""
+        optimizer = self.optimizer
+        return optimizer.min_scale if optimizer.scaling and optimizer.dynamic else None
+
     def say(self, text):
         """`text` about this optimizer, named when the monitor watches several."""
         return messages.for_optimizer(self.name, text) if self.several else text
@@ -149,7 +156,7 @@ class WatchedOptimizer:
         return step, self.say(messages.stop_message(
             step, ledger.step, limit, forward, ledger.last_names,
             ledger.scale if optimizer.scaling else None, optimizer.skip_spikes is not None,
-            optimizer.min_scale if optimizer.dynamic else None,
+            self.scale_floor,
         ))
 
     def end_epoch(self):

@@ -279,27 +279,24 @@ def test_stop_at_the_scales_floor_says_the_gradients_overflow_unscaled():
 def test_an_epoch_that_overflows_at_the_scales_floor_warns_that_float16_overflows_unscaled():
     # 2 backward overflows of 6 steps: the skip-rate warning's causes. At the
     # floor, a lower learning rate is not the first fix (as in the stop message).
-    optimizer = kmp.LossScaleOptimizer("sgd", initial_scale=4.0, min_scale=2.0)
-    model = _model(optimizer=optimizer)
-    monitor = kmp.callbacks.LossScaleMonitor(verbose=0, max_consecutive_skips=None)
-    with pytest.warns(UserWarning, match="skipped 2 of 6 steps") as record:
-        _fit(model, _data(6, backward=(2, 4)), callbacks=[monitor])
-    (message,) = _monitor_warnings(record)
-    causes = message.split("Likely causes and what to try: ")[1]
-    assert causes.startswith("the loss scale fell to its min_scale (2) this epoch, where a "
-                             "gradient that overflows overflows float16 even unscaled")
-    assert "min_scale=2**-8" in causes and "kmp.diagnose" in causes
-    assert "raise growth_interval" not in causes  # the scale did not grow back
+    def causes(model):
+        monitor = kmp.callbacks.LossScaleMonitor(verbose=0, max_consecutive_skips=None)
+        with pytest.warns(UserWarning, match="skipped 2 of 6 steps") as record:
+            _fit(model, _data(6, backward=(2, 4)), callbacks=[monitor])
+        (message,) = _monitor_warnings(record)
+        return message.split("Likely causes and what to try: ")[1]
+
+    model = _model(optimizer=kmp.LossScaleOptimizer("sgd", initial_scale=4.0, min_scale=2.0))
+    at_floor = causes(model)
+    assert at_floor.startswith("the loss scale fell to its min_scale (2) this epoch, where a "
+                               "gradient that overflows overflows float16 even unscaled")
+    assert "min_scale=2**-8" in at_floor and "kmp.diagnose" in at_floor
+    assert "raise growth_interval" not in at_floor  # the scale did not grow back
     assert float(model.optimizer.loss_scale) == 2.0  # 4, then halved once, then held
     # Above the floor, the same epoch's causes are the diverging weights' first.
-    model = _model()
-    monitor = kmp.callbacks.LossScaleMonitor(verbose=0, max_consecutive_skips=None)
-    with pytest.warns(UserWarning, match="skipped 2 of 6 steps") as record:
-        _fit(model, _data(6, backward=(2, 4)), callbacks=[monitor])
-    (message,) = _monitor_warnings(record)
-    causes = message.split("Likely causes and what to try: ")[1]
-    assert causes.startswith("a learning rate too high")
-    assert "min_scale" not in causes and "raise growth_interval" in causes
+    above = causes(_model())
+    assert above.startswith("a learning rate too high")
+    assert "min_scale" not in above and "raise growth_interval" in above
 
 
 def test_scale_forced_too_high_in_float16(tmp_path):

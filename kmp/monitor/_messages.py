@@ -160,6 +160,12 @@ def epoch_line(summary):
 UNDEFINED_OPERATION = ("an operation undefined at its input (log or division by 0, "
                        "sqrt of a negative)")
 
+# What to compute in float32, or let fall, when gradients overflow float16
+# with the scale at its floor (`min_scale`): Keras' own scaler has no floor
+# and would go on halving. After "compute".
+AT_THE_FLOOR = ("the layers whose gradients overflow in float32 (kmp.diagnose names them), "
+                "let the scale fall further (kmp.LossScaleOptimizer(optimizer, min_scale=2**-8))")
+
 
 def skip_rate_warning(summary, warn_skip_rate, floor=None):
     """The warning for an epoch that skipped more than `warn_skip_rate`
@@ -202,12 +208,10 @@ def skip_rate_warning(summary, warn_skip_rate, floor=None):
     at_floor = (summary["backward"] and scaling and floor is not None
                 and summary["min_scale"] <= floor)
     if at_floor:
-        # Keras' own scaler has no floor and would go on halving.
         causes.append(
             f"the loss scale fell to its min_scale ({format_scale(floor)}) this epoch, "
             "where a gradient that overflows overflows float16 even unscaled: compute "
-            "those layers in float32 (kmp.diagnose names them) or let the scale fall "
-            "further (kmp.LossScaleOptimizer(optimizer, min_scale=2**-8))"
+            f"{AT_THE_FLOOR}"
         )
     if summary["backward"]:
         causes.append(
@@ -266,13 +270,10 @@ def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False,
             f", and the loss scale is down to {format_scale(scale)}")
         spiked = " (or their loss spiked: skip_spikes)" if spikes else ""
         if min_scale is not None and scale is not None and scale <= min_scale:
-            # Keras' own scaler has no floor and would go on halving.
             advice = (
                 ", its min_scale: the gradients overflow float16 even so. "
-                "Compute the layers whose gradients overflow in float32 "
-                "(kmp.diagnose names them), let the scale fall further "
-                "(kmp.LossScaleOptimizer(optimizer, min_scale=2**-8)), or "
-                "lower the learning rate if the weights are diverging"
+                f"Compute {AT_THE_FLOOR}, or lower the learning rate if the weights "
+                "are diverging"
             )
         else:
             advice = (": the weights are likely diverging. Try a lower learning "

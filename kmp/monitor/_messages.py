@@ -279,7 +279,7 @@ def stop_message(stopped_step, step, limit, forward, names, scale, spikes=False,
             advice = (": the weights are likely diverging. Try a lower learning "
                       "rate or gradient clipping (global_clipnorm=1.0)")
         why = (
-            "their gradients were not finite although the loss was "
+            "their gradients were not finite although the loss was finite"
             f"{where}{spiked}{scale_now}{advice}"
         )
     after = (

@@ -43,6 +43,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kmp  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 
 def _build(api, strategy, width, depth):
@@ -102,7 +103,7 @@ def run(steps=20, repeats=15, batch_size=256, width=256, depth=3, warmup=5):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch_size, width)).astype("float32")
     y = rng.integers(0, 10, size=(batch_size,)).astype("int32")
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    dataset = harness.repeated_batch(x, y)
 
     runs = {}
     for api in ("keras", "kmp"):

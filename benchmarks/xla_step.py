@@ -383,7 +383,7 @@ def run(workload_names, mode, jit_compile, buffers=False, log=print):
     import numpy as np
     import tensorflow as tf
 
-    from benchmarks import workloads
+    from benchmarks import harness, workloads
 
     settings = _MODES[mode]
     results = {}
@@ -393,7 +393,7 @@ def run(workload_names, mode, jit_compile, buffers=False, log=print):
         runners = {}
         for name, api, kwargs, policy in CONFIGS:
             model = _build(workload, api, kwargs, jit_compile, policy)
-            iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+            iterator = iter(harness.repeated_batch(x, y))
             model.make_train_function()
             for _ in range(settings["warmup"]):
                 logs = model.train_function(iterator)

@@ -381,7 +381,6 @@ def run(workload_names, mode, jit_compile, buffers=False, log=print):
     """Times the configurations of each workload, paired; returns the results dict."""
     import keras
     import numpy as np
-    import tensorflow as tf
 
     from benchmarks import harness, workloads
 

@@ -32,6 +32,10 @@ with _command.keep_import_error():
     try:
         import keras as _keras
     except ModuleNotFoundError as _error:
+        # keras.json names a backend kmp does not support, which is not
+        # installed (torch): say so, not "No module named 'torch'".
+        if _command.requested_backend() not in _BACKENDS:
+            _check_backend(_command.requested_backend())
         # Keras on TensorFlow, its default, without TensorFlow (a JAX-only
         # install that forgot KERAS_BACKEND): say what to do, not
         # "No module named 'tensorflow'".

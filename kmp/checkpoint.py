@@ -93,6 +93,7 @@ agreed by the workers) `backup/_choice.py`, and which worker this process is
 and the workers' all-gather `kmp/backends/<backend>/workers.py`.
 """
 
+import errno
 import json
 import os
 
@@ -130,6 +131,10 @@ def write_atomically(filepath, write):
     Returns:
         `filepath` as a string.
 
+    Raises:
+        IsADirectoryError: before `write` is called, if `filepath` is a
+            folder.
+
     Example:
 
     ```python
@@ -141,6 +146,10 @@ def write_atomically(filepath, write):
         # Object stores publish an object only once it is fully uploaded.
         write(filepath)
         return filepath
+    if os.path.isdir(filepath):
+        # Found before `write` runs (a whole save), not at the move.
+        raise IsADirectoryError(
+            errno.EISDIR, "`filepath` must be the path of a file, not a folder", filepath)
     return _atomic_files.write_then_replace(filepath, write_path=write)
 
 
@@ -274,12 +283,14 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             (`EarlyStopping`'s `best_weights` are not). Defaults to `None`.
 
     Raises:
-        TypeError: if `monitors` holds something that is not a callback.
-        ValueError: as Keras' callback for invalid arguments; on restore, if
-            the metadata is malformed or names a file kmp did not write, if
-            the backup's checksum differs, if it does not match the model
-            (naming the variables that differ) or the monitors, or if the
-            workers' backups are not from one run.
+        TypeError: if `backup_dir` is not a path, or `monitors` holds
+            something that is not a callback.
+        ValueError: as Keras' callback for invalid arguments; when training
+            begins, if `backup_dir` is a file; on restore (before anything is
+            loaded), if the metadata is malformed or names a file kmp did not
+            write, if the backup's checksum differs, if it does not match the
+            model (naming the variables that differ) or the monitors, or if
+            the workers' backups are not from one run.
         RuntimeError: when training begins, if another process is training
             with the same folder (with several workers: with any worker's).
 
@@ -299,21 +310,14 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         delete_checkpoint=True,
         monitors=None,
     ):
+        _backup_folder.check_backup_dir(backup_dir)  # before Keras' own checks
         super().__init__(
             backup_dir,
             save_freq=save_freq,
             double_checkpoint=double_checkpoint,
             delete_checkpoint=delete_checkpoint,
         )
-        monitors = list(monitors or [])
-        for monitor in monitors:
-            if not isinstance(monitor, keras.callbacks.Callback):
-                raise TypeError(
-                    "`monitors` must be a list of Keras callbacks (e.g. "
-                    "EarlyStopping). Received an element "
-                    f"{monitor!r} of type {type(monitor).__name__}"
-                )
-        self.monitors = monitors
+        self.monitors = _backup_records.monitors_argument(monitors)
         self._pending_monitor_states = None
         # `(metadata entry, variables digest)` of the backup written at the
         # last epoch's end, until the next epoch's start checks it.
@@ -344,8 +348,13 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         folder = self._folder
         if self._worker is None:
             folder.lock(owner=self)
+            candidates = folder.candidates()
+            if candidates:
+                # Other monitors are the caller's mistake: no fallback to the previous backup.
+                _backup_records.check_monitor_states(
+                    self.monitors, candidates[0].get("monitors"), self.backup_dir)
             _backup_choice.restore_newest(
-                folder.candidates(), self._restore, folder.commit_restored, folder.path
+                candidates, self._restore, folder.commit_restored, folder.path
             )
             return
         strategy, (task, _) = getattr(self.model, "distribute_strategy", None), self._worker
@@ -368,7 +377,9 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         )
 
     def _restore(self, candidate):
-        """Checks a backup's file and checksum, then loads it strictly."""
+        """Checks a backup's monitors, file and checksum, then loads it strictly."""
+        _backup_records.check_monitor_states(
+            self.monitors, candidate.get("monitors"), self.backup_dir)
         _backup_restore.load_backup(self.model, self._folder, candidate, self.backup_dir)
         _keras_internals.set_initial_epoch(self.model, candidate["epoch"])
         # Backups written from here on are numbered from the restored epoch.
@@ -412,7 +423,11 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
         # after this callback has run.
         states, self._pending_monitor_states = self._pending_monitor_states, None
         if states is not None:
-            _backup_records.restore_monitor_states(self.monitors, states, self.backup_dir)
+            try:
+                _backup_records.restore_monitor_states(self.monitors, states, self.backup_dir)
+            except ValueError:
+                self._folder.release(owner=self)  # fit ends here, without on_train_end
+                raise
 
     def on_train_end(self, logs=None):
         try:

@@ -283,8 +283,9 @@ def export(
 
     Raises:
         ValueError: if `inference_policy` is not one of the names above (the
-            model is not changed), or if Keras refuses the export (e.g. the
-            model is not built).
+            model is not changed), if a file or folder the SavedModel writes
+            inside `filepath` is a symbolic link (nothing is written), or if
+            Keras refuses the export (e.g. the model is not built).
         ImportError: if `format` is `"tf_saved_model"` and TensorFlow is not
             installed (on the JAX backend: a SavedModel is a TensorFlow
             graph, which Keras builds with `jax2tf`).
@@ -313,6 +314,7 @@ def export(
         )
     if format == "tf_saved_model":
         _check_tensorflow_installed()
+        _check_no_link_inside(filepath)
     # The layers are switched in place: the variables are shared, in the
     # dtype they are stored in, so nothing is copied and the export sees
     # exactly the trained weights.
@@ -366,6 +368,25 @@ def _served_signature(model):
             dtype="float32" if keras.backend.is_float_dtype(dtype) else dtype,
         ))
     return keras.tree.pack_sequence_as(signature, served)
+
+
+# What TensorFlow writes inside a SavedModel's folder. It writes into the
+# folders it finds there, and through a link at one of them.
+_SAVED_MODEL_ENTRIES = ("saved_model.pb", "fingerprint.pb", "variables", "assets", "assets.extra")
+
+
+def _check_no_link_inside(filepath):
+    """Raises a `ValueError`, before anything is written, if one of the
+    names TensorFlow writes inside `filepath` is a link: the files would go
+    wherever it points, outside the folder. `filepath` itself may be one."""
+    for name in _SAVED_MODEL_ENTRIES:
+        path = os.path.join(os.fspath(filepath), name)
+        if os.path.islink(path):
+            raise ValueError(
+                f"Cannot export to {os.fspath(filepath)!r}: {path!r} is a symbolic link "
+                f"(to {os.readlink(path)!r}), and the SavedModel's files would be "
+                "written where it points. Remove it, or export to another folder."
+            )
 
 
 def _check_tensorflow_installed():

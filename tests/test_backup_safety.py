@@ -114,7 +114,8 @@ def _weights(model):
 # -- 1. Paths come from kmp's naming scheme, inside the folder ---------------
 
 
-@pytest.mark.parametrize("entry", ["outside", "absolute", "symlink", "pattern", "dotdot-pattern"])
+@pytest.mark.parametrize("entry", ["outside", "absolute", "symlink", "pattern", "dotdot-pattern",
+                                   "unpadded", "too long"])
 def test_a_metadata_entry_naming_another_file_is_refused_before_loading(tmp_path, entry, kept_backup):
     backup_dir = tmp_path / "backup"
     metadata = kept_backup(backup_dir)
@@ -130,11 +131,14 @@ def test_a_metadata_entry_naming_another_file_is_refused_before_loading(tmp_path
         "symlink": "backup-000007.weights.h5",
         "pattern": "planted.weights.h5",
         "dotdot-pattern": "backup-000001.weights.h5/../../elsewhere/planted.weights.h5",
+        # The user's files: kmp writes six digits, or more without a leading zero.
+        "unpadded": "backup-1.weights.h5",
+        "too long": f"backup-{'9' * 19}.weights.h5",
     }
     if entry == "symlink":
         os.symlink(planted, backup_dir / names["symlink"])
-    if entry == "pattern":
-        shutil.copy(planted, backup_dir / names["pattern"])
+    if entry in ("pattern", "unpadded", "too long"):
+        shutil.copy(planted, backup_dir / names[entry])
     metadata["weights"] = names[entry]
     metadata_path = backup_dir / "training_metadata.json"
     metadata_path.write_text(json.dumps(metadata))
@@ -272,7 +276,56 @@ def test_restored_monitor_state_sets_only_kmps_counters_as_numbers(tmp_path, sta
     assert fresh.filepath == str(tmp_path / "best.keras")
     assert not hasattr(fresh, "cooldown_counter")
     assert not (tmp_path / "elsewhere").exists()
-    assert int(_fit.last_model.optimizer.iterations) <= 2 * STEPS_PER_EPOCH  # nothing trained
+    assert int(_fit.last_model.optimizer.iterations) == 0  # nothing restored or trained
+    assert not (backup_dir / "kmp-backup.lock").exists()
+
+
+def test_a_best_epoch_for_a_monitor_without_one_is_refused_before_a_step(tmp_path):
+    # EarlyStopping makes `best_epoch` in its own on_train_begin, after the
+    # backup is loaded: that counter is checked at the first epoch's start.
+    backup_dir = tmp_path / "backup"
+    checkpoint = kmp.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor="loss", save_best_only=True)
+    _fit(backup_dir, 2, delete_checkpoint=False, monitors=[checkpoint], callbacks=[checkpoint])
+    metadata = json.loads((backup_dir / "training_metadata.json").read_text())
+    metadata["monitors"] = [{"best": 1.0, "best_epoch": 1}]
+    (backup_dir / "training_metadata.json").write_text(json.dumps(metadata))
+    fresh = kmp.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor="loss", save_best_only=True)
+    with pytest.raises(ValueError, match="holds best_epoch for the monitor ModelCheckpoint"):
+        _fit(backup_dir, 4, delete_checkpoint=False, monitors=[fresh], callbacks=[fresh])
+    assert _fit.last_probe.begun == []
+    assert int(_fit.last_model.optimizer.iterations) == 2 * STEPS_PER_EPOCH  # restored, not trained
+    assert fresh.best != 1.0  # the backup's counters were not set
+    assert not (backup_dir / "kmp-backup.lock").exists()  # released without on_train_end
+
+
+@pytest.mark.parametrize("monitors, message", [
+    (0, r"holds the state of 1 monitors, but `monitors` has 0"),
+    (2, r"holds the state of 1 monitors, but `monitors` has 2"),
+])
+def test_a_backup_of_other_monitors_is_refused_before_anything_is_loaded(
+        tmp_path, monitors, message):
+    backup_dir = tmp_path / "backup"
+    stopping = keras.callbacks.EarlyStopping(monitor="loss", patience=100)
+    _fit(backup_dir, 2, delete_checkpoint=False, double_checkpoint=True,
+         monitors=[stopping], callbacks=[stopping])
+    before = _snapshot(backup_dir)
+    fresh = _model()
+    untouched = fresh.get_weights()
+    resumed = [keras.callbacks.EarlyStopping(monitor="loss", patience=100)
+               for _ in range(monitors)]
+    with pytest.raises(ValueError, match=message):  # once: the previous backup is not tried
+        _fit(backup_dir, 4, model=fresh, delete_checkpoint=False, double_checkpoint=True,
+             monitors=resumed, callbacks=resumed)
+    assert _fit.last_probe.begun == []
+    for value, original in zip(fresh.get_weights(), untouched, strict=True):
+        np.testing.assert_array_equal(value, original)  # nothing was loaded
+    assert int(fresh.optimizer.iterations) == 0
+    assert _snapshot(backup_dir) == before  # the lock released, nothing written
+    # The model starts from epoch 0 in a fit without the backup.
+    history = fresh.fit(*_data(), batch_size=8, epochs=2, verbose=0)
+    assert history.epoch == [0, 1]
 
 
 def test_valid_monitor_counters_are_restored_as_numbers(tmp_path):
@@ -288,11 +341,31 @@ def test_valid_monitor_counters_are_restored_as_numbers(tmp_path):
 # -- 4. End of training deletes what kmp wrote, nothing else ------------------
 
 
+# What a user keeps in a folder kmp backs up to (and `data/train.csv`): some
+# names look like kmp's, which writes its backups `backup-%06d.weights.h5`.
+_USERS_NAMES = [
+    ".draft.partial-1.txt",  # looks temporary, is not kmp's
+    "notes.txt",
+    "backup-1.weights.h5",
+    "backup-0000000000000000000000001.weights.h5",
+    ".backup-7.partial-1.weights.h5",
+    ".backup-1.partial-9-0123456789abcdef.weights.h5",
+    ".training_metadata.partial-5.weights.h5",
+]
+
+
 def _users_files(folder):
     (folder / "data").mkdir(parents=True)
-    (folder / "notes.txt").write_text("notes")
     (folder / "data" / "train.csv").write_text("x,y\n1,2\n")
-    (folder / ".draft.partial-1.txt").write_text("a draft")  # looks temporary, is not kmp's
+    for name in _USERS_NAMES:
+        (folder / name).write_text(f"the user's {name}")
+
+
+def _kept_users_files(folder, *also):
+    assert sorted(os.listdir(folder)) == sorted([*_USERS_NAMES, "data", *also])
+    assert (folder / "data" / "train.csv").read_text() == "x,y\n1,2\n"
+    for name in _USERS_NAMES:
+        assert (folder / name).read_text() == f"the user's {name}"
 
 
 def test_end_of_training_deletes_only_kmps_files(tmp_path):
@@ -300,8 +373,13 @@ def test_end_of_training_deletes_only_kmps_files(tmp_path):
     _users_files(run)
     checkpoint = kmp.callbacks.ModelCheckpoint(str(run / "best.keras"))
     _fit(run, 3, callbacks=[checkpoint])  # delete_checkpoint=True
-    assert sorted(os.listdir(run)) == [".draft.partial-1.txt", "best.keras", "data", "notes.txt"]
-    assert (run / "data" / "train.csv").read_text() == "x,y\n1,2\n"
+    _kept_users_files(run, "best.keras")
+
+    # Each backup prunes the ones before it, by the same names.
+    kept = tmp_path / "kept"
+    _users_files(kept)
+    _fit(kept, 3, delete_checkpoint=False)
+    _kept_users_files(kept, "backup-000002.weights.h5", "training_metadata.json")
 
     # A folder holding only kmp's files goes, as Keras' does.
     _fit(tmp_path / "own", 2)
@@ -317,8 +395,10 @@ def test_a_backup_dir_of_dot_never_deletes_the_working_directory(tmp_path, monke
         monkeypatch.chdir(work)
         _fit(".", 2)
         assert work.is_dir() and os.path.samefile(os.getcwd(), work)
-        expected = [".draft.partial-1.txt", "data", "notes.txt"] if files else []
-        assert sorted(os.listdir(work)) == expected
+        if files:
+            _kept_users_files(work)
+        else:
+            assert os.listdir(work) == []
 
 
 class _FakeCluster:
@@ -341,9 +421,7 @@ def test_the_multi_worker_chief_deletes_only_its_own_files(tmp_path, monkeypatch
     (backup_dir / "worker-1" / "training_metadata.json").write_text("{}")
     _FakeCluster(monkeypatch, "worker-0", True, lambda value: {"worker-1": int(value)})
     _fit(backup_dir, 2)
-    assert sorted(os.listdir(backup_dir)) == [
-        ".draft.partial-1.txt", "data", "notes.txt", "worker-1"]
-    assert (backup_dir / "data" / "train.csv").exists()
+    _kept_users_files(backup_dir, "worker-1")
     assert (backup_dir / "worker-1" / "training_metadata.json").read_text() == "{}"
 
 
@@ -456,6 +534,23 @@ def test_each_worker_of_a_cluster_holds_its_own_entry(tmp_path, monkeypatch):
         holder.kill()
         holder.wait(timeout=60)
         holder.stdout.close()
+
+
+def test_a_backup_dir_that_is_not_a_folder_is_refused_naming_it(tmp_path):
+    (tmp_path / "notes").write_text("the user's notes")
+    with pytest.raises(TypeError, match=r"`backup_dir` must be a folder's path \(str or "
+                       r"os.PathLike\). Received: backup_dir=123 of type int"):
+        kmp.callbacks.BackupAndRestore(123)
+    with pytest.raises(TypeError, match=r"Received: monitors='es' of type str"):
+        kmp.callbacks.BackupAndRestore(str(tmp_path / "backup"), monitors="es")
+    for backup_dir in (tmp_path / "notes", tmp_path / "notes" / "backup"):
+        with pytest.raises(ValueError, match=(
+                f"`backup_dir` must be a folder, or a path where one can be made, but "
+                f"'{tmp_path / 'notes'}' is not a folder. Received: backup_dir='{backup_dir}'")):
+            _fit(backup_dir, 1)
+        assert _fit.last_probe.begun == []
+    assert sorted(os.listdir(tmp_path)) == ["notes"]
+    assert (tmp_path / "notes").read_text() == "the user's notes"
 
 
 def test_the_lock_is_released_when_fit_ends_or_fails_at_the_start(tmp_path):

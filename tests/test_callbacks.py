@@ -188,6 +188,16 @@ def test_a_folder_given_as_a_file_path_is_refused_when_made(tmp_path, name):
         kmp.callbacks.LossScaleMonitor(**{name: tmp_path})
 
 
+@pytest.mark.parametrize("name", ["csv_path", "plot_path"])
+def test_a_path_under_a_file_is_refused_when_made(tmp_path, name):
+    (tmp_path / "notes").write_text("the user's notes")
+    path = tmp_path / "notes" / "run" / "out"
+    with pytest.raises(ValueError, match=f"`{name}` must be the path of a file to write, but "
+                       f"'{tmp_path / 'notes'}', where its folder would be, is not a folder"):
+        kmp.callbacks.LossScaleMonitor(**{name: path})
+    assert (tmp_path / "notes").read_text() == "the user's notes"
+
+
 def test_stops_after_consecutive_forward_overflows(capsys):
     model = _model()
     monitor = kmp.callbacks.LossScaleMonitor(max_consecutive_skips=3, warn_skip_rate=None)

@@ -245,8 +245,14 @@ def test_missing_jax_exits_3_and_names_jax(how, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_another_keras_backend_exits_3_naming_it_not_tensorflow():
-    result = _run(["-m", "kmp", "doctor"], env={"KERAS_BACKEND": "torch"})
+@pytest.mark.parametrize("how", ["KERAS_BACKEND", "keras.json"])
+def test_another_keras_backend_exits_3_naming_it_not_tensorflow(how, tmp_path):
+    if how == "KERAS_BACKEND":
+        env = {"KERAS_BACKEND": "torch"}
+    else:  # torch is not installed: Keras' own import fails on it
+        (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch"}))
+        env = {"KERAS_BACKEND": "", "KERAS_HOME": str(tmp_path)}
+    result = _run(["-m", "kmp", "doctor"], env=env)
     assert result.returncode == cli.EXIT_NO_BACKEND
     assert "kmp supports the TensorFlow and JAX backends of Keras. Received: backend='torch'" \
         in result.stderr

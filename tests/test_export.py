@@ -271,6 +271,30 @@ def test_unknown_inference_policy_names_it_and_lists_the_valid_ones(tmp_path):
         kmp.load_model(tmp_path / "missing.keras", policy="fp8")
 
 
+@pytest.mark.parametrize("name", ["variables", "assets", "saved_model.pb"])
+def test_a_link_where_the_saved_model_writes_is_refused_before_writing(tmp_path, name):
+    # TensorFlow writes into a folder it finds at `variables`, through a link.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "variables.index").write_bytes(b"the user's file")
+    serving = tmp_path / "serving"
+    serving.mkdir()
+    (serving / "notes.txt").write_text("notes")
+    os.symlink(outside if name != "saved_model.pb" else outside / "variables.index",
+               serving / name)
+    model = _tiny_model()
+    with pytest.raises(ValueError, match=(
+            f"Cannot export to '{serving}': '{serving / name}' is a symbolic link")):
+        kmp.export(model, serving, inference_policy="float32")
+    assert sorted(os.listdir(serving)) == sorted(["notes.txt", name])
+    assert os.listdir(outside) == ["variables.index"]
+    assert (outside / "variables.index").read_bytes() == b"the user's file"
+    # Without the link, the folder takes the export beside the user's file.
+    os.remove(serving / name)
+    kmp.export(model, serving, inference_policy="float32", verbose=False)
+    assert {"notes.txt", "saved_model.pb", "variables"} <= set(os.listdir(serving))
+
+
 _LOAD_WITHOUT_KMP = textwrap.dedent(
     """
     import sys

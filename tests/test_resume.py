@@ -455,6 +455,15 @@ def test_write_atomically_removes_the_partial_file_on_error(tmp_path):
     assert os.listdir(tmp_path) == ["model.weights.h5"]
 
 
+def test_write_atomically_onto_a_folder_raises_before_writing(tmp_path):
+    (tmp_path / "run.keras").mkdir()
+    calls = []
+    with pytest.raises(IsADirectoryError, match="`filepath` must be the path of a file, not a "
+                       f"folder: '{tmp_path / 'run.keras'}'"):
+        checkpoint_module.write_atomically(tmp_path / "run.keras", calls.append)
+    assert calls == [] and os.listdir(tmp_path) == ["run.keras"]
+
+
 def test_monitor_state_is_backed_up_and_restored(tmp_path):
     x, y = _regression_data()
 

@@ -32,6 +32,16 @@ def split_suffix(filepath):
     return os.path.splitext(filepath)
 
 
+def not_a_folder(folder):
+    """The nearest of `folder` and its parents that exists, if it is not a
+    folder (a file, a broken link): what stops `os.makedirs(folder)`.
+    `None` where the folder exists or can be made."""
+    folder = os.path.abspath(folder)
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    return None if os.path.isdir(folder) else folder
+
+
 def same_file(a, b):
     """Whether two `os.stat` results are of one file."""
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -17,6 +17,18 @@ from kmp.backup import _lock as _backup_lock
 from kmp.backup import _records as _backup_records
 
 
+def check_backup_dir(backup_dir):
+    """Raises Keras' `ValueError` for an empty `backup_dir` (`None`, `""`),
+    and a `TypeError` for one that is not a path."""
+    if backup_dir is None or (isinstance(backup_dir, str) and not backup_dir):
+        raise ValueError("Empty `backup_dir` argument passed")
+    if not isinstance(backup_dir, (str, os.PathLike)):
+        raise TypeError(
+            "`backup_dir` must be a folder's path (str or os.PathLike). "
+            f"Received: backup_dir={backup_dir!r} of type {type(backup_dir).__name__}"
+        )
+
+
 class BackupFolder:
     """The folder where this process keeps its backups: `backup_dir` until
     `use` names another (a worker's folder inside it).
@@ -26,6 +38,7 @@ class BackupFolder:
     """
 
     def __init__(self, backup_dir):
+        check_backup_dir(backup_dir)
         self.backup_dir = backup_dir
         self.use(backup_dir)
         # Kept across `use`: a lock a `fit` that raised left held is released
@@ -39,6 +52,12 @@ class BackupFolder:
 
     def lock(self, owner):
         """Creates the folder and locks it for `owner` (`_backup_lock`)."""
+        blocking = _atomic_files.not_a_folder(self.path)
+        if blocking is not None:
+            raise ValueError(
+                f"`backup_dir` must be a folder, or a path where one can be made, "
+                f"but {blocking!r} is not a folder. Received: backup_dir={self.backup_dir!r}"
+            )
         os.makedirs(self.path, exist_ok=True)
         if os.path.islink(self.path) and self.path != self.backup_dir:
             # A worker's folder is kmp's own: a link there was planted.

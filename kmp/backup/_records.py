@@ -21,16 +21,21 @@ import numpy as np
 
 from kmp.backup import _atomic_files
 
+# A backup's number as kmp writes it (`f"{n:06d}"`): six digits, or more
+# without a leading zero, and at most 18 (a file name's length is bounded; no
+# run saves 10**18 times). A user's `backup-1.weights.h5` is not kmp's, and
+# is neither read nor deleted.
+_NUMBER = r"([0-9]{6}|[1-9][0-9]{6,17})"
 # `\Z`, not `$`: `$` also matches before a final newline.
-BACKUP_PATTERN = re.compile(r"\Abackup-(\d+)\.weights\.h5\Z", re.ASCII)
+BACKUP_PATTERN = re.compile(rf"\Abackup-{_NUMBER}\.weights\.h5\Z", re.ASCII)
 METADATA_NAME = "training_metadata.json"
 # The temporary names `_atomic_files` gives the files of a backup folder
 # (`.<stem>.partial-<pid>-<token><suffix>`, and without the token as kmp named
 # them before), so that end of training and pruning delete those and no other
 # hidden file.
 BACKUP_PARTIAL_PATTERN = re.compile(
-    r"\A\.(backup-\d+|training_metadata)\.partial-\d+(-[0-9a-f]{16})?"
-    r"\.(weights\.h5|json)\Z",
+    rf"\A\.(backup-{_NUMBER}\.partial-[0-9]+(-[0-9a-f]{{16}})?\.weights\.h5"
+    r"|training_metadata\.partial-[0-9]+(-[0-9a-f]{16})?\.json)\Z",
     re.ASCII,
 )
 # Larger than any metadata kmp writes (a few hundred bytes per monitor).
@@ -56,6 +61,26 @@ def backup_number(entry):
     return int(BACKUP_PATTERN.match(entry["weights"]).group(1))
 
 
+def monitors_argument(monitors):
+    """`BackupAndRestore`'s `monitors` as a list; a `TypeError` for anything
+    but `None` or a list (or tuple) of Keras callbacks."""
+    if monitors is None:
+        return []
+    if not isinstance(monitors, (list, tuple)):
+        raise TypeError(
+            "`monitors` must be a list of Keras callbacks (e.g. EarlyStopping) "
+            f"or None. Received: monitors={monitors!r} of type {type(monitors).__name__}"
+        )
+    for monitor in monitors:
+        if not isinstance(monitor, keras.callbacks.Callback):
+            raise TypeError(
+                "`monitors` must be a list of Keras callbacks (e.g. "
+                "EarlyStopping). Received an element "
+                f"{monitor!r} of type {type(monitor).__name__}"
+            )
+    return list(monitors)
+
+
 def monitor_state(monitor):
     """The JSON-able counters of a monitoring callback (`None` stays `None`)."""
     state = {}
@@ -73,10 +98,22 @@ def monitor_state(monitor):
     return state
 
 
-def restore_monitor_states(monitors, states, backup_dir):
-    """Sets each monitor's counters from `states` (checked by
-    `check_metadata`); raises a `ValueError`, changing nothing, if the
-    states are not those of these monitors."""
+# A counter a Keras monitor makes in its own `on_train_begin`, after the
+# backup is loaded: EarlyStopping's `best_epoch`.
+_MADE_AT_TRAIN_BEGIN = ("best_epoch",)
+
+
+def check_monitor_states(monitors, states, backup_dir, loaded=False):
+    """Raises a `ValueError` if `states` (a metadata entry's `monitors`,
+    checked by `check_metadata`; `None`: none recorded) are not those of
+    `monitors`; changes nothing.
+
+    Before the backup is loaded (`loaded=False`), each monitor is looked at
+    as it is then: a counter it makes when training begins
+    (`_MADE_AT_TRAIN_BEGIN`) is checked once the monitors began
+    (`loaded=True`, by `restore_monitor_states`)."""
+    if states is None:
+        return
     if len(states) != len(monitors):
         raise ValueError(
             f"The backup in {backup_dir!r} holds the state of "
@@ -88,7 +125,8 @@ def restore_monitor_states(monitors, states, backup_dir):
         # `check_metadata` admitted only the counters of
         # `MONITOR_ATTRIBUTES`, as numbers; each goes only to a monitor
         # that has it, as the monitor kmp read it from had.
-        unknown = sorted(name for name in state if not hasattr(monitor, name))
+        unknown = sorted(name for name in state if not hasattr(monitor, name)
+                         and (loaded or name not in _MADE_AT_TRAIN_BEGIN))
         if unknown:
             raise ValueError(
                 f"The backup in {backup_dir!r} holds {', '.join(unknown)} "
@@ -96,6 +134,12 @@ def restore_monitor_states(monitors, states, backup_dir):
                 "counter. Pass the same callbacks, in the same order, as the "
                 "run that wrote it."
             )
+
+
+def restore_monitor_states(monitors, states, backup_dir):
+    """Sets each monitor's counters from `states`, once the monitors began
+    training; a `ValueError` (`check_monitor_states`) changes nothing."""
+    check_monitor_states(monitors, states, backup_dir, loaded=True)
     for monitor, state in zip(monitors, states):
         for name in MONITOR_ATTRIBUTES:
             if name in state:
@@ -154,7 +198,8 @@ _METADATA_KEYS = {
     "epoch": ("an integer >= 0", _is_count),
     "batch": ("an integer >= 0", _is_count),
     "weights": (
-        "a file name of the form backup-<n>.weights.h5 (no folder)",
+        "a file name of the form backup-<n>.weights.h5 (no folder), <n> as kmp writes "
+        "it: 6 digits, or 7 to 18 without a leading zero",
         lambda value: isinstance(value, str) and bool(BACKUP_PATTERN.match(value)),
     ),
     "sha256": (

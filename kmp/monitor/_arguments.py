@@ -11,6 +11,7 @@ import os
 import keras
 
 from kmp import loss_scale as loss_scale_module
+from kmp.backup import _atomic_files
 from kmp.scaling._optimizers import optimizers_by_attribute
 from kmp.scaling._optimizers import scaling_optimizers
 
@@ -27,11 +28,19 @@ def check_path(name, value):
             f"`{name}` must be a file path (str or os.PathLike) or None. "
             f"Received: {name}={value!r} of type {type(value).__name__}"
         )
-    if value is not None and os.path.isdir(value):
-        # Found now, not after the whole fit, when the file is written.
+    if value is None:
+        return
+    # Found now, not after the whole fit, when the file is written.
+    if os.path.isdir(value):
         raise ValueError(
             f"`{name}` must be the path of a file to write, but it names an "
             f"existing folder. Received: {name}={os.fspath(value)!r}"
+        )
+    blocking = _atomic_files.not_a_folder(os.path.dirname(os.path.abspath(value)))
+    if blocking is not None:
+        raise ValueError(
+            f"`{name}` must be the path of a file to write, but {blocking!r}, "
+            f"where its folder would be, is not a folder. Received: {name}={os.fspath(value)!r}"
         )
 
 

@@ -260,9 +260,9 @@ class Model(_keras_internals.ModelBase):
             self, super().get_compile_config(), _model_step.is_users_scaler)
 
     def compile_from_config(self, config):
-        # Keras skips compile() on load when a class overrides it; ours only
-        # adds kmp's arguments, which the config carries.
-        _scaling_compile.compile_from_config(self, config)
+        if type(self).compile is not Model.compile:  # Keras' rule: a warning, not compiled
+            return super().compile_from_config(config)
+        _scaling_compile.compile_from_config(self, config)  # ours takes the config's arguments
 
     def export(
         self,

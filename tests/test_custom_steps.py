@@ -248,6 +248,50 @@ def test_a_custom_step_mixes_its_sub_models_outputs_with_float32_data():
     assert reference.generator(latent).dtype == "float32"
 
 
+@keras.saving.register_keras_serializable(package="kmp_tests")
+class KerasIoDistiller(kmp.Model):
+    """keras.io's knowledge distillation: a `compile` of its own arguments."""
+
+    def __init__(self, student, **kwargs):
+        super().__init__(**kwargs)
+        self.student = student
+
+    def compile(self, optimizer, metrics, student_loss_fn):
+        super().compile(optimizer=optimizer, metrics=metrics)
+        self.student_loss_fn = student_loss_fn
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        return self.student_loss_fn(y, y_pred)
+
+    def call(self, x):
+        return self.student(x)
+
+    def get_config(self):
+        return {**super().get_config(), "student": keras.saving.serialize_keras_object(self.student)}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**{**config, "student": keras.saving.deserialize_keras_object(config["student"])})
+
+
+@pytest.mark.parametrize("load", [keras.models.load_model, kmp.load_model])
+def test_a_model_with_its_own_compile_loads_uncompiled_as_keras_does(tmp_path, load):
+    # kmp once called its compile with the saved config: "Distiller.compile()
+    # got an unexpected keyword argument 'loss'".
+    kmp.set_policy("mixed_float16")
+    model = KerasIoDistiller(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
+    model.compile(keras.optimizers.Adam(), ["accuracy"],
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    model.fit(x, np.arange(32) % 3, epochs=1, verbose=0)
+    model.save(tmp_path / "distiller.keras")
+    with pytest.warns(UserWarning, match=r"`compile\(\)` was not called as part of model "
+                      "loading because the model's `compile\(\)` method is custom"):
+        loaded = load(tmp_path / "distiller.keras")
+    assert type(loaded) is KerasIoDistiller and getattr(loaded, "optimizer", None) is None
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
 def _keras_io_vae_class(base):
     class VAE(base):
         """keras.io's VAE constructor (examples/generative/vae.py):

@@ -248,6 +248,50 @@ def test_a_custom_step_mixes_its_sub_models_outputs_with_float32_data():
     assert reference.generator(latent).dtype == "float32"
 
 
+class _TwoHeads(kmp.Model):
+    """One optimizer, two losses, two applies (CycleGAN's persistent tape
+    with one optimizer); `scale_second=False` forgets the second line."""
+
+    def __init__(self, scale_second):
+        super().__init__()
+        self.scale_second = scale_second
+        self.a, self.b = (
+            keras.Sequential([keras.Input((2,)), keras.layers.Dense(
+                1, use_bias=False, kernel_initializer="ones")], name=name) for name in "ab")
+
+    def train_step(self, x):
+        with tf.GradientTape(persistent=True) as tape:
+            loss_a = ops.mean(self.a(x))
+            loss_b = ops.mean(self.b(x))
+            scaled_a = self.optimizer.scale_loss(loss_a)
+            scaled_b = self.optimizer.scale_loss(loss_b) if self.scale_second else loss_b
+        for head, scaled in ((self.a, scaled_a), (self.b, scaled_b)):
+            variables = head.trainable_variables
+            self.optimizer.apply_gradients(zip(tape.gradient(scaled, variables), variables))
+        return {"loss_a": loss_a, "loss_b": loss_b}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+@pytest.mark.parametrize("scale_second", [True, False])
+def test_one_optimizer_applies_each_of_two_scaled_losses_divided_once(scale_second, mode):
+    # Each apply takes the loss scaled before it: the second apply once got
+    # gradients 2**15 times too large, with a warning that scale_loss had
+    # not run.
+    kmp.set_policy("mixed_float16")
+    model = _TwoHeads(scale_second)
+    model.compile(keras.optimizers.SGD(0.1), run_eagerly=mode == "eager", jit_compile=mode == "xla")
+    model.optimizer.build(model.a.trainable_variables + model.b.trainable_variables)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(np.ones((4, 2), "float32"), batch_size=4, epochs=1, verbose=0)
+    unscaled = [w for w in caught if "scale_loss` did not run" in str(w.message)]
+    # d mean(x @ k) / dk = mean(x) = 1 per coordinate: 1 - 0.1 * 1.
+    for head in (model.a, model.b):
+        np.testing.assert_allclose(head.get_weights()[0].ravel(), [0.9, 0.9], rtol=1e-6)
+    assert int(model.optimizer.iterations) == 2
+    assert len(unscaled) == (0 if scale_second else 1)  # the forgotten line is named
+
+
 @keras.saving.register_keras_serializable(package="kmp_tests")
 class KerasIoDistiller(kmp.Model):
     """keras.io's knowledge distillation: a `compile` of its own arguments."""

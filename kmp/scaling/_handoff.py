@@ -91,7 +91,10 @@ class StepRecord(threading.local):
     """
 
     def __init__(self):
-        self._scaled, self._loss, self._divided = False, None, False
+        # The losses `scale_loss` scaled since the last `apply`, in order:
+        # each `apply` of a model step takes the first (two losses, two
+        # applies of one optimizer: each its own).
+        self._losses, self._divided = [], False
         # Whether `get_unscaled_gradients` divided symbolic gradients (in a
         # `tf.function` or `jax.jit` being traced) since the last `apply`.
         self.divided_in_trace = False
@@ -102,7 +105,7 @@ class StepRecord(threading.local):
 
     # The user's step, through scale_loss and get_unscaled_gradients.
     def note_scaled(self, loss):
-        self._scaled, self._loss = True, loss
+        self._losses.append(loss)
 
     def note_divided(self, grads):
         self._divided = True
@@ -120,22 +123,26 @@ class StepRecord(threading.local):
             self.forget_traced()
 
     def take(self):
-        """`(scaled, divided, loss)` of the step so far; clears them."""
-        loss = self._loss
+        """`(scaled, divided, loss)` for one `apply`: the first loss scaled
+        since the last, and whether gradients were divided; clears them (in
+        a model step, the later losses stay for its next `apply`)."""
+        scaled, loss = bool(self._losses), self._losses[0] if self._losses else None
         if loss is not None:
             loss = backends.get("step").usable_here(loss)
-        taken = (self._scaled, self._divided, loss)
+        taken = (scaled, self._divided, loss)
+        later = self._losses[1:] if self.in_model_step else []
         self.clear()
+        self._losses = later
         return taken
 
     def clear(self):
         """Forgets what the step so far recorded (`take`, unread)."""
-        self._scaled, self._loss, self._divided = False, None, False
+        self._losses, self._divided = [], False
         self.divided_in_trace = False
 
     def forget_traced(self):
         """Drops every tensor held: nothing traced may outlive its trace."""
-        self._loss, self.answer = None, None
+        self._losses, self.answer = [], None
 
 
 def _any_traced(grads):

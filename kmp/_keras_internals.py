@@ -52,6 +52,7 @@ uses it says more):
 | `Trainer._maybe_symbolic_build` (overridden), `_distribute_strategy` | `ModelBase` | `model.py` | build across workers, where Keras' own build fails: kmp's build from this worker's batch (`_kmp_build_from_iterator`) |
 | `Trainer._symbolic_build` | `symbolic_build` | `backends/tensorflow/distribute.py` | that build, as `fit` runs it, from this worker's batch |
 | `Variable._autocast` | `following_autocast` | `precision/_compensated.py` | a 16-bit weight Keras made with `autocast=False` (normalization layers' gamma and beta) read in float32 while its update is computed, as the others are |
+| `keras.src.backend.common.global_state.get_global_attribute("current_call_ctx")`, `CallContext.entry_layer` | `called_alone` | `scaling/_model_step.py` | a layer a custom `train_step` calls itself, not from within another layer's `call` |
 | `keras.src.backend.common.variables` (`AutocastScope`, `get_autocast_scope`), `keras.src.backend.common.global_state.set_global_attribute("autocast_scope")` | `autocast` | `precision/_compensated.py` | a bfloat16 variable's update computed in float32 by any Keras optimizer: its `update_step` casts by `variable.dtype`, which Keras' autocast scope makes float32, and reads the variable and its slots as float32 there |
 | `Optimizer._get_variable_index`, `_apply_weight_decay` (shadowed on the instance for one `apply`, `shadowed`), `_use_weight_decay` | `shadowed_optimizer_methods`, `uses_weight_decay` | `precision/_compensated.py` | in that scope TensorFlow's optimizer would look a slot up by a cast value, not its `tf.Variable`; the weight decay of a bfloat16 variable computed in float32 and written compensated, as its update is |
 | `_noinline` (a `tf.function(experimental_attributes=...)` attribute) | `noinline_function_attributes` | `backends/tensorflow/distribute.py` | a train step starts only once its batch has arrived (`tests/test_train_function.py` fails if TensorFlow inlines it again) |
@@ -65,6 +66,7 @@ import contextlib
 import operator
 
 import keras
+from keras.src.backend.common.global_state import get_global_attribute
 from keras.src.backend.common.global_state import set_global_attribute
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
@@ -133,12 +135,9 @@ def keep_logits(source, result):
 
 
 def keep_mask(source, result):
-    """Carries `source`'s Keras mask over to `result`, its dtype cast.
-
-    A masking layer leaves its mask on its output (an attribute, or Keras'
-    own table where a tensor takes none, as JAX arrays); a model's output
-    keeps it, and Keras' compiled loss and metrics weight by it (padded time
-    steps count for nothing). A cast makes a new tensor without it.
+    """Carries `source`'s Keras mask over to `result`, its dtype cast: a cast
+    makes a new tensor without it, and Keras' compiled loss and metrics weight
+    by a model output's mask (padded time steps count for nothing).
     """
     mask = get_keras_mask(source)
     if mask is not None and result is not source:
@@ -159,11 +158,9 @@ def logs_as_list(model, logs):
 def nested_layers(layer, *, include_self, recursive):
     """The layers inside `layer` (and `layer` itself for `include_self=True`).
 
-    `Layer._flatten_layers` (Keras 3.0 on): every layer a layer tracks, each
-    once, in tracking order; `recursive=False` gives only those it holds
-    directly. `model.layers` lists a model's direct layers only, and no public
-    API lists the layers nested in them, where kmp settles precision, protects
-    token ids, converts policies and reports dtypes.
+    `Layer._flatten_layers` (Keras 3.0 on): every layer it tracks, once each,
+    in tracking order (`recursive=False`: those it holds directly); no public
+    API lists the layers nested in a model's.
     """
     return layer._flatten_layers(include_self=include_self, recursive=recursive)
 
@@ -326,6 +323,14 @@ def variable_index(optimizer, variable):
     variable's slots; the monitor records which variables overflowed by it.
     """
     return optimizer._get_variable_index(variable)
+
+
+def called_alone(layer):
+    """Whether `layer`, from within its `call`, was called by no other layer:
+    Keras' call context (3.0 on) is the one `layer.__call__` opened, or none
+    (`stateless_call`)."""
+    context = get_global_attribute("current_call_ctx")
+    return context is None or context.entry_layer is layer
 
 
 @contextlib.contextmanager

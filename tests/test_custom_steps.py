@@ -336,6 +336,68 @@ def test_a_model_with_its_own_compile_loads_uncompiled_as_keras_does(tmp_path, l
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
+class PatchEncoder(keras.layers.Layer):
+    """keras.io's masked autoencoder's: embeddings and positions, both in
+    the compute dtype."""
+
+    def build(self, input_shape):
+        self.projection = keras.layers.Dense(4)
+        self.position = self.add_weight(shape=(1, 3, 4), initializer="random_normal")
+
+    def call(self, patches):
+        embeddings = self.projection(patches)
+        positions = ops.cast(ops.broadcast_to(self.position, ops.shape(embeddings)),
+                             self.compute_dtype)
+        return embeddings, positions
+
+
+class MaskedAutoencoder(kmp.Model):
+    def __init__(self):
+        super().__init__()
+        self.patch_encoder = PatchEncoder()
+        self.encoder = keras.Sequential([keras.Input((3, 4)), keras.layers.Dense(4)], name="encoder")
+
+    def call(self, patches):
+        embeddings, positions = self.patch_encoder(patches)
+        self.inside_dtype = embeddings.dtype  # within the model's call: its compute dtype
+        return self.encoder(embeddings) + ops.cast(positions, "float32")
+
+    def train_step(self, patches):
+        with tf.GradientTape() as tape:
+            embeddings, positions = self.patch_encoder(patches)
+            outputs = self.encoder(embeddings) + positions  # keras.io's line
+            loss = ops.mean(ops.square(outputs))
+            scaled = self.optimizer.scale_loss(loss)
+        variables = self.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(scaled, variables), variables))
+        return {"my_loss": loss}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_a_custom_step_mixes_a_held_layers_output_with_a_held_models(mode):
+    # Under Keras' own mixed_float16 both are float16; kmp's held models
+    # return float32, and the layers the step calls itself now do too (the
+    # step raised "Input 'y' of 'AddV2' Op has type float16 that does not
+    # match type float32").
+    losses = {}
+    for policy in ("mixed_float16", "float32"):
+        kmp.set_policy(policy)
+        keras.utils.set_random_seed(0)
+        model = MaskedAutoencoder()
+        model.compile(keras.optimizers.SGD(0.1), run_eagerly=mode == "eager",
+                      jit_compile=mode == "xla")
+        patches = np.random.default_rng(0).normal(size=(8, 3, 2)).astype("float32")
+        losses[policy] = model.fit(patches, batch_size=4, epochs=2, verbose=0).history["my_loss"]
+    np.testing.assert_allclose(losses["mixed_float16"], losses["float32"], rtol=1e-2)
+    kmp.set_policy("mixed_float16")
+    mixed = MaskedAutoencoder()
+    mixed.compile(keras.optimizers.SGD(0.1))
+    mixed.fit(patches, batch_size=4, epochs=1, verbose=0)
+    assert [t.dtype for t in mixed.patch_encoder(patches)] == ["float32", "float32"]  # alone
+    mixed(patches)
+    assert mixed.inside_dtype == "float16"  # within the model's call, as Keras computes it
+
+
 def _keras_io_vae_class(base):
     class VAE(base):
         """keras.io's VAE constructor (examples/generative/vae.py):

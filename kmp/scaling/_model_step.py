@@ -21,6 +21,7 @@ import functools
 import keras
 from keras import ops
 
+from kmp import _keras_internals
 from kmp.precision import _float32_layers
 from kmp.scaling import _optimizers
 from kmp.scaling import _retry
@@ -80,7 +81,8 @@ def check_overflow_retries(model, own):
 
 
 def held_models_return_float32(model):
-    """Makes each Keras model `model` holds as an attribute return float32.
+    """Makes each Keras model `model` holds as an attribute return float32,
+    and each layer it holds when a custom step calls it itself.
 
     A custom train_step mixes its sub-models' outputs with float32 data
     (keras.io's GAN guide: `tf.concat([self.generator(z), real_images])`;
@@ -89,24 +91,34 @@ def held_models_return_float32(model):
     float32 under every policy, and so do the models it holds, from the
     first step on: their `call` casts floating outputs to float32 (the next
     layer casts them back to its compute dtype; a float32 output is left as
-    it is). Done once per model.
+    it is). The step mixes those with what the layers it holds return
+    (keras.io's masked autoencoder: `self.encoder(...) + positions` from its
+    `PatchEncoder`), so a layer called by the step itself returns float32
+    too; called from within another layer's `call` (the model's own), it
+    returns what it computes. Done once per model.
     """
     for name, value in list(vars(model).items()):
         if (
             name.startswith("_")
-            or not isinstance(value, keras.Model)
+            or not isinstance(value, keras.layers.Layer)
+            or value is model
             or getattr(value, "_kmp_returns_float32", False)
         ):
             continue
         # object.__setattr__: an instance attribute Keras does not track.
-        object.__setattr__(value, "call", _returning_float32(value.call))
+        object.__setattr__(value, "call", _returning_float32(value, value.call))
         object.__setattr__(value, "_kmp_returns_float32", True)
 
 
-def _returning_float32(call):
+def _returning_float32(layer, call):
+    always = isinstance(layer, keras.Model)
+
     @functools.wraps(call)
     def call_returning_float32(*args, **kwargs):
-        return _float32_layers._to_float32(call(*args, **kwargs))
+        outputs = call(*args, **kwargs)
+        if always or _keras_internals.called_alone(layer):
+            return _float32_layers._to_float32(outputs)
+        return outputs
 
     return call_returning_float32
 

@@ -31,6 +31,7 @@ import keras
 from keras import ops
 
 from kmp import _keras_internals
+from kmp import _registered
 from kmp import backends
 from kmp.scaling import _handoff
 from kmp.scaling import _rule as _scaling_rule
@@ -181,11 +182,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def scaling(self):
-        """Bool: whether it scales the loss (enabled, and its scale is not
-        fixed at 1). A scale fixed at 1 (`compile`'s guard under bfloat16,
-        `skip_nonfinite=True` under float32) scales nothing, so `scale_loss`
-        and `apply` leave the loss and the gradients as they are: only the
-        skip of a non-finite step (or a spike) remains."""
+        """Bool: whether it scales the loss (enabled, its scale not fixed at
+        1). A scale fixed at 1 (the guard under bfloat16 and float32) scales
+        nothing: only the skip of a non-finite step (or a spike) remains."""
         return self.enabled and (self.dynamic or self.initial_scale != 1.0)
 
     @property
@@ -223,6 +222,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     _forward_overflows = property(lambda self: self.counters["forward_overflows"])
     # The name Keras' LossScaleOptimizer gives its scale variable.
     dynamic_scale = property(lambda self: self._kmp_scale)
+    variables = property(_scaling_step.optimizer_variables)  # each once
 
     # The inner optimizer's, read and written there (`kmp.scaling._settings`).
     clipnorm = property(*settings.clipping_accessors("clipnorm"))
@@ -327,6 +327,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                                         divide=divide and self.scaling, retries_left=retries_left)
 
     def get_config(self):
+        _registered.keep()  # what saving it writes, loading it must find
         config = {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),

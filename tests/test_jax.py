@@ -121,6 +121,33 @@ def test_fit_evaluate_predict_in_float16_log_the_scaler_and_return_float32():
     assert np.isfinite(loss) and 0 <= accuracy <= 1
 
 
+class _SchedulerOfTheGuide(keras.callbacks.Callback):
+    """keras.io's callbacks guide: the optimizer's own learning rate set
+    back on it at each epoch's start (its value for an unlisted epoch)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model.optimizer.learning_rate = self.model.optimizer.learning_rate
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_learning_rate_set_through_the_scaler_trains_as_one_left_alone(policy):
+    # The scaler then tracked the inner optimizer's rate in its own list too:
+    # its buffer donated twice, or "Invalid variable value in StatelessScope".
+    histories = []
+    for callbacks in ([], [_SchedulerOfTheGuide()]):
+        kmp.set_policy(policy)
+        keras.utils.set_random_seed(0)
+        model = _mlp()
+        model.compile(keras.optimizers.RMSprop(0.01), "sparse_categorical_crossentropy")
+        x, y = _data()
+        histories.append(model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                                   callbacks=callbacks).history)
+    assert histories[1] == histories[0]
+    variables = model.optimizer.variables
+    assert len({id(v) for v in variables}) == len(variables)
+    assert sum(v is model.optimizer.inner_optimizer.learning_rate for v in variables) == 1
+
+
 def test_the_progress_bar_shows_the_scale_as_an_integer_and_the_skips(capsys):
     model, x, y = _overflowing_at_first()
     model.fit(x, y, batch_size=32, epochs=2, verbose=2)

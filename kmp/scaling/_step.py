@@ -350,6 +350,17 @@ def monitor_state(optimizer):
     return monitored, backends.get("step").snapshot(optimizer._nonfinite_gradients.value)
 
 
+def optimizer_variables(optimizer):
+    """`optimizer.variables` of a `kmp.LossScaleOptimizer`: its own, then its
+    inner optimizer's, each once. The inner optimizer's learning rate set
+    through the scaler (`optimizer.learning_rate = ...`, a scheduler
+    callback's) is tracked in the scaler's own list too; twice in the state
+    of a JAX step, its one buffer would be donated twice."""
+    inner = optimizer.inner_optimizer.variables
+    ids = {id(variable) for variable in inner}
+    return [v for v in optimizer._variables if id(v) not in ids] + list(inner)
+
+
 def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *, loss=None,
                    divide=True, retries_left=None):
     """One loss-scaled step as a pure function of values.
@@ -392,8 +403,12 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     decision = decide(optimizer, finite, loss_finite, nonfinite, loss, retries_left=retries_left,
                       scale=scale, spike_state=spike_state)
     applied = decision.applied
-    inner_ids = {id(v) for v in inner.variables}
-    inner_values = [value for variable, value in mapping if id(variable) in inner_ids]
+    # `optimizer.variables` is its own, then its inner optimizer's, by
+    # position: a variable can be in both (`optimizer.learning_rate =
+    # optimizer.learning_rate`, keras.io's scheduler callback, tracks the
+    # inner's rate in the scaler's own list too).
+    own_count = len(variables) - len(inner.variables)
+    inner_values = list(optimizer_variables[own_count:])
 
     unscaled = unscale(optimizer, grads, built, scale) if divide else grads
     buffers = {id(buffer) for _, buffer in optimizer._kmp_compensated if buffer is not None}
@@ -421,14 +436,8 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     for variable, value in follow_scale(optimizer, lambda v: new_trainable[position[id(v)]],
                                         scale, own[id(optimizer._kmp_scale)]):
         new_trainable[position[id(variable)]] = value
-    new_inner = iter(new_inner)
-    new_values = []
-    for variable, value in mapping:
-        if id(variable) in inner_ids:
-            new_values.append(next(new_inner))
-        else:
-            new_values.append(own.get(id(variable), value))
-    return list(new_trainable), new_values, applied, decision.retry
+    new_values = [own.get(id(variable), value) for variable, value in mapping[:own_count]]
+    return list(new_trainable), new_values + list(new_inner), applied, decision.retry
 
 
 def as_values(values):

@@ -60,6 +60,11 @@ with _command.keep_import_error():
     from kmp.policy import policy_scope
     from kmp.policy import set_policy
 
+    # Every kmp class is registered with Keras by now (kmp/_registered.py).
+    from kmp import _registered
+
+    _registered.remember()
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -49,6 +49,7 @@ import zipfile
 import keras
 
 from kmp import _keras_internals
+from kmp import _registered
 from kmp import loss_scale as loss_scale_module
 from kmp import policy as policy_module
 from kmp.precision import _float32_layers
@@ -475,6 +476,7 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
             f"os.PathLike. Received: filepath={filepath!r} of type {type(filepath).__name__}"
         )
     _check_complete_archive(filepath)
+    _registered.keep()  # kmp's classes, whatever cleared Keras' custom objects
     if policy_name is None:
         return keras.saving.load_model(
             filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode

@@ -5,6 +5,7 @@ import functools
 import keras
 
 from kmp import _keras_internals
+from kmp import _registered
 from kmp.scaling import _compile as _scaling_compile
 from kmp.scaling import _model_step
 from kmp.precision import _float8_training
@@ -433,6 +434,7 @@ class FunctionalModel(Model, _keras_internals.Functional):
         return layers
 
     def get_config(self):
+        _registered.keep()  # what saving it writes, loading it must find
         config = _with_keep_float32(
             _unsettled_config(super().get_config()), self
         )

@@ -19,6 +19,7 @@ import logging
 
 import keras
 
+from kmp import _registered
 from kmp.precision import _hardware
 from kmp.precision._float32_layers import _builtin_rules
 from kmp.precision._float32_layers import _plan as _plan_float32_layers
@@ -115,6 +116,7 @@ class Policy:
         )
 
     def get_config(self):
+        _registered.keep()  # what saving it writes, loading it must find
         return {"name": self.name, "reason": self.reason}
 
     @classmethod

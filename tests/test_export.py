@@ -295,6 +295,34 @@ def test_a_link_where_the_saved_model_writes_is_refused_before_writing(tmp_path,
     assert {"notes.txt", "saved_model.pb", "variables"} <= set(os.listdir(serving))
 
 
+def test_kmp_models_load_after_kerass_custom_objects_are_cleared(tmp_path):
+    # keras.io's serialization guide clears them before registering its
+    # own class; every later load failed: "Could not locate class
+    # 'kmp>FunctionalModel'".
+    objects = keras.saving.get_custom_objects()
+    before = dict(objects)
+    try:
+        objects.clear()
+        kmp.set_policy("mixed_float16")
+        model = _tiny_model()
+        model.compile("rmsprop", "mse")
+        x = _data()
+        model.fit(x, np.zeros((16, 3), "float32"), verbose=0)
+        model.save(tmp_path / "model.keras")
+        assert sorted(objects) == sorted(name for name in before if name.startswith("kmp>"))
+        for load in (keras.models.load_model, kmp.load_model):
+            if load is kmp.load_model:
+                objects.clear()  # kmp's own load puts kmp's back too
+            loaded = load(tmp_path / "model.keras")
+            assert type(loaded) is type(model) and loaded.optimizer.loss_scale is not None
+            np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+        assert type(keras.models.model_from_json(model.to_json())) is type(model)
+        assert type(keras.models.clone_model(model)) is type(model)
+    finally:
+        objects.clear()
+        objects.update(before)
+
+
 _LOAD_WITHOUT_KMP = textwrap.dedent(
     """
     import sys

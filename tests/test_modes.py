@@ -311,6 +311,18 @@ def _early_stopping(model, record):
     return [keras.callbacks.EarlyStopping("loss", patience=0, min_delta=1e9)]
 
 
+class _SetTheLearningRateBack(keras.callbacks.Callback):
+    """keras.io's scheduler callback for an epoch its schedule does not list:
+    the rate set back through the scaler (tracked in its list too, once)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model.optimizer.learning_rate = self.model.optimizer.learning_rate
+
+
+def _learning_rate_set_back(model, record):
+    return [_SetTheLearningRateBack()]
+
+
 ROWS = [
     Row("no overflow", (1, 1, 1, 1)),
     Row("first batch overflows", (3, 1, 1, 1), fast=True),
@@ -365,6 +377,8 @@ ROWS = [
     Row("a loss spike with skip_spikes", (1,) * 70 + (1e4, 1), policy="mixed_bfloat16",
         compile=dict(skip_spikes=6.0)),
     Row("a loss spike without skip_spikes", (1,) * 70 + (1e4, 1), policy="mixed_bfloat16"),
+    Row("the learning rate set back through the scaler each epoch", (1, 3, 1, 1), retries=2,
+        epochs=2, callbacks=_learning_rate_set_back),
 ]
 
 

@@ -351,8 +351,8 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
             candidates = folder.candidates()
             if candidates:
                 # Other monitors are the caller's mistake: no fallback to the previous backup.
-                _backup_records.check_monitor_states(
-                    self.monitors, candidates[0].get("monitors"), self.backup_dir)
+                _backup_records.check_entry_monitors(
+                    self.monitors, candidates[0], self.backup_dir, self.params)
             _backup_choice.restore_newest(
                 candidates, self._restore, folder.commit_restored, folder.path
             )
@@ -378,8 +378,8 @@ class BackupAndRestore(_keras_internals.BackupAndRestoreBase):
 
     def _restore(self, candidate):
         """Checks a backup's monitors, file and checksum, then loads it strictly."""
-        _backup_records.check_monitor_states(
-            self.monitors, candidate.get("monitors"), self.backup_dir)
+        _backup_records.check_entry_monitors(
+            self.monitors, candidate, self.backup_dir, self.params)
         _backup_restore.load_backup(self.model, self._folder, candidate, self.backup_dir)
         _keras_internals.set_initial_epoch(self.model, candidate["epoch"])
         # Backups written from here on are numbered from the restored epoch.

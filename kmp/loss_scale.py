@@ -220,9 +220,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     _good_steps = property(lambda self: self.counters["good_steps"])
     _hysteresis_left = property(lambda self: self.counters["hysteresis_left"])
     _forward_overflows = property(lambda self: self.counters["forward_overflows"])
-    # The name Keras' LossScaleOptimizer gives its scale variable.
-    dynamic_scale = property(lambda self: self._kmp_scale)
-    variables = property(_scaling_step.optimizer_variables)  # each once
+    dynamic_scale = property(lambda self: self._kmp_scale)  # Keras' scaler's name for its scale
+    variables = property(lambda self: _scaling_step.optimizer_variables(  # each once
+        self, keras.optimizers.LossScaleOptimizer.variables.fget(self)))
 
     # The inner optimizer's, read and written there (`kmp.scaling._settings`).
     clipnorm = property(*settings.clipping_accessors("clipnorm"))

@@ -103,6 +103,15 @@ def monitor_state(monitor):
 _MADE_AT_TRAIN_BEGIN = ("best_epoch",)
 
 
+def check_entry_monitors(monitors, entry, backup_dir, params):
+    """Raises a `ValueError`, before the backup of a metadata `entry` is
+    loaded, if its monitors' states are not those of `monitors`; nothing
+    where no epoch of the `fit` whose `params` these are runs after the
+    backup's, which restores no monitor then."""
+    if entry["epoch"] < (params or {}).get("epochs", entry["epoch"] + 1):
+        check_monitor_states(monitors, entry.get("monitors"), backup_dir)
+
+
 def check_monitor_states(monitors, states, backup_dir, loaded=False):
     """Raises a `ValueError` if `states` (a metadata entry's `monitors`,
     checked by `check_metadata`; `None`: none recorded) are not those of

@@ -68,17 +68,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     state = update_loss_scale(state, finite) # see `update_loss_scale`
     ```
 
-    With `dynamic=True` the scale follows the Megatron-LM rule: after
-    `hysteresis` consecutive non-finite steps it is multiplied by
-    `backoff_factor`, and after `growth_interval` consecutive finite steps by
-    `growth_factor`, clamped to `[min_scale, max_scale]`. With
-    `dynamic=False` the scale stays fixed but non-finite steps are still
-    skipped and counted. `enabled=False` makes it a pass-through.
+    With `dynamic=True` the scale follows the Megatron-LM rule: times
+    `backoff_factor` after `hysteresis` consecutive non-finite steps, times
+    `growth_factor` after `growth_interval` finite ones, within `[min_scale,
+    max_scale]`. `dynamic=False` fixes it (non-finite steps are still skipped
+    and counted); `enabled=False` makes the optimizer a pass-through.
 
-    Gradients of a loss that did not go through `scale_loss` are not divided
-    in `kmp.Model`'s step, and divided as Keras does elsewhere, with a warning
-    (`kmp.scaling._handoff`). `stateless_apply` and `stateless_scale_loss`
-    are the step as pure functions (JAX). `.keras` files carry the state.
+    Gradients of a loss that skipped `scale_loss` are not divided in kmp.Model's
+    step, and divided elsewhere as Keras does, with a warning (`scaling._handoff`).
+    `stateless_apply` and `stateless_scale_loss` are the step for JAX.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer` instance or name (e.g.
@@ -174,6 +172,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # histories: `kmp.scaling._step.follow_scale`).
         object.__setattr__(self, "_kmp_scale_followers", ())
 
+    def __setattr__(self, name, value):  # a rate set here is the inner's, tracked there alone
+        if name == "learning_rate" and "inner_optimizer" in vars(self):
+            return setattr(self.inner_optimizer, name, value)  # (not twice in `variables`)
+        super().__setattr__(name, value)
+
     @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
         _scaling_step.build_state(self, var_list)  # the scale, counters, ...
@@ -221,11 +224,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     _hysteresis_left = property(lambda self: self.counters["hysteresis_left"])
     _forward_overflows = property(lambda self: self.counters["forward_overflows"])
     dynamic_scale = property(lambda self: self._kmp_scale)  # Keras' scaler's name for its scale
-    variables = property(lambda self: _scaling_step.optimizer_variables(  # each once
-        self, keras.optimizers.LossScaleOptimizer.variables.fget(self)))
 
-    # The inner optimizer's, read and written there (`kmp.scaling._settings`).
-    clipnorm = property(*settings.clipping_accessors("clipnorm"))
+    clipnorm = property(*settings.clipping_accessors("clipnorm"))  # the inner optimizer's ones
     global_clipnorm = property(*settings.clipping_accessors("global_clipnorm"))
     clipvalue = property(*settings.clipping_accessors("clipvalue"))
 

@@ -350,18 +350,6 @@ def monitor_state(optimizer):
     return monitored, backends.get("step").snapshot(optimizer._nonfinite_gradients.value)
 
 
-def optimizer_variables(optimizer, listed):
-    """`optimizer.variables` of a `kmp.LossScaleOptimizer`, from the list
-    Keras' scaler gives (`listed`: its own, then its inner optimizer's),
-    each once. The inner optimizer's learning rate set through the scaler
-    (`optimizer.learning_rate = ...`, a scheduler callback's) is tracked in
-    the scaler's own list too; twice in the state of a JAX step, its one
-    buffer would be donated twice."""
-    inner = list(optimizer.inner_optimizer.variables)
-    ids = {id(variable) for variable in inner}
-    return [v for v in listed[:len(listed) - len(inner)] if id(v) not in ids] + inner
-
-
 def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *, loss=None,
                    divide=True, retries_left=None):
     """One loss-scaled step as a pure function of values.

@@ -19,7 +19,8 @@ from kmp.backup import _records as _backup_records
 
 def check_backup_dir(backup_dir):
     """Raises Keras' `ValueError` for an empty `backup_dir` (`None`, `""`),
-    and a `TypeError` for one that is not a path."""
+    and a `TypeError` for one that is not a path: `BackupAndRestore` calls it
+    before Keras' constructor, and before it makes its `BackupFolder`."""
     if backup_dir is None or (isinstance(backup_dir, str) and not backup_dir):
         raise ValueError("Empty `backup_dir` argument passed")
     if not isinstance(backup_dir, (str, os.PathLike)):
@@ -38,7 +39,6 @@ class BackupFolder:
     """
 
     def __init__(self, backup_dir):
-        check_backup_dir(backup_dir)
         self.backup_dir = backup_dir
         self.use(backup_dir)
         # Kept across `use`: a lock a `fit` that raised left held is released

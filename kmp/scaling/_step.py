@@ -392,10 +392,10 @@ def stateless_step(optimizer, optimizer_variables, grads, trainable_variables, *
     decision = decide(optimizer, finite, loss_finite, nonfinite, loss, retries_left=retries_left,
                       scale=scale, spike_state=spike_state)
     applied = decision.applied
-    # `optimizer.variables` is its own, then its inner optimizer's, by
-    # position: a variable can be in both (`optimizer.learning_rate =
-    # optimizer.learning_rate`, keras.io's scheduler callback, tracks the
-    # inner's rate in the scaler's own list too).
+    # `optimizer.variables` is Keras' scaler's list: its own, then its inner
+    # optimizer's. Split by position, which holds even where one variable
+    # is in both lists (matching by id gave the inner optimizer one value
+    # too many then).
     own_count = len(variables) - len(inner.variables)
     inner_values = list(optimizer_variables[own_count:])
 

@@ -180,7 +180,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
         _scaling_step.build_state(self, var_list)  # the scale, counters, ...
-        self.inner_optimizer.build(var_list)
+        if not self.inner_optimizer.built:  # (a user's own optimizer may not check)
+            self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
     @property

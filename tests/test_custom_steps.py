@@ -336,6 +336,61 @@ def test_a_model_with_its_own_compile_loads_uncompiled_as_keras_does(tmp_path, l
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
+class _CrashAtSecondEpoch(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("the machine went away")
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["optimizers_built", "unbuilt"])
+def test_a_gan_resumes_from_kmps_backup_with_its_optimizers_state(tmp_path, built):
+    # kmp once built the unused `model.optimizer` and raised "its variables
+    # are another model's" for the same GAN; an optimizer built before fit
+    # was wrapped in an unbuilt scaler, so no resume could keep its state.
+    class GAN(_gan_class(kmp.Model, scaled=True)):
+        def compile(self, d_optimizer, g_optimizer, loss_fn):
+            super().compile(d_optimizer, g_optimizer, loss_fn)
+            if built:  # the documented line, as Keras' own resume needs
+                d_optimizer.build(self.discriminator.trainable_variables)
+                g_optimizer.build(self.generator.trainable_variables)
+
+    def gan():
+        kmp.set_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        model = GAN()
+        model.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3),
+                      keras.losses.BinaryCrossentropy(from_logits=True))
+        model(np.zeros((1, _LATENT), "float32"))  # Keras' BackupAndRestore wants it built
+        return model
+
+    data = _gan_data(poison_step=1)  # a skipped step: the counters hold something
+    reference = gan()
+    reference.fit(data, epochs=2, verbose=0)
+    with pytest.raises(RuntimeError, match="went away"):
+        gan().fit(data, epochs=2, verbose=0, callbacks=[
+            kmp.callbacks.BackupAndRestore(tmp_path / "backup"), _CrashAtSecondEpoch()])
+    resumed = gan()
+    fresh = [v.numpy() for v in resumed.weights]
+    resume = lambda: resumed.fit(  # noqa: E731
+        data, epochs=2, verbose=0, callbacks=[kmp.callbacks.BackupAndRestore(tmp_path / "backup")])
+    if not built:
+        with pytest.raises(ValueError, match=r"holds the state of the model's `d_optimizer`, "
+                           r"`g_optimizer`, which are not built yet.*`self.d_optimizer.build\("):
+            resume()
+        for before, variable in zip(fresh, resumed.weights):
+            np.testing.assert_array_equal(variable.numpy(), before)
+        return
+    assert len(resume().history["d_loss"]) == 1
+    for name in ("d_optimizer", "g_optimizer"):
+        mine, theirs = getattr(resumed, name), getattr(reference, name)
+        # More than the 6 steps of the resumed epoch: the first epoch's count.
+        assert int(mine.iterations) == int(theirs.iterations) > 6
+        assert float(mine.loss_scale) == float(theirs.loss_scale)
+        assert int(mine.skipped_steps) == int(theirs.skipped_steps)
+    for mine, theirs in zip(resumed.weights, reference.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
 class PatchEncoder(keras.layers.Layer):
     """keras.io's masked autoencoder's: embeddings and positions, both in
     the compute dtype."""

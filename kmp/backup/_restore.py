@@ -12,6 +12,7 @@ import warnings
 
 from kmp.backup import _atomic_files
 from kmp.backup import _records as _backup_records
+from kmp.scaling import _optimizers
 
 
 class UnsafeBackupError(ValueError):
@@ -111,8 +112,7 @@ def load_backup(model, folder, candidate, backup_dir):
             entry's, or it does not match the model.
     """
     checked, weights_path = check_backup(folder, candidate, backup_dir)
-    if model.optimizer is not None and not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
+    _build_saved_optimizers(model, weights_path)
     # Keras opens the file again by its name: it must still be the file
     # just checked.
     if not _atomic_files.same_file(checked, os.lstat(weights_path)):
@@ -126,6 +126,43 @@ def load_backup(model, folder, candidate, backup_dir):
         raise ValueError(
             f"The backup file {weights_path!r} cannot be loaded: {error}"
         ) from None
+
+
+def _build_saved_optimizers(model, weights_path):
+    """Builds each unbuilt optimizer of `model` that the backup holds built
+    (more variables under its attribute's name than it has now), as the saved
+    run had: `model.optimizer` with the model's trainable variables, as Keras'
+    fit does. An optimizer a model's own `compile` sets (a GAN's
+    `d_optimizer`) is built by the model's own step, with variables only that
+    step knows: a backup that holds it built needs it built before `fit`.
+
+    Raises:
+        ValueError: naming those optimizers and the line that builds them.
+    """
+    try:
+        stored = _h5_variables(weights_path)
+    except OSError:
+        return  # the load says what is wrong with the file
+    unbuilt = []
+    for name, optimizer in _optimizers.optimizers_by_attribute(model).items():
+        held = sum(1 for path in stored if path.startswith(f"{name}/vars/"))
+        if optimizer.built or held <= len(optimizer.variables):
+            continue
+        if name == "optimizer":
+            optimizer.build(model.trainable_variables)
+        else:
+            unbuilt.append(name)
+    if unbuilt:
+        one = len(unbuilt) == 1
+        raise ValueError(
+            f"The backup {weights_path!r} holds the state of the model's "
+            + ", ".join(f"`{name}`" for name in unbuilt)
+            + f", which {'is' if one else 'are'} not built yet: resuming would start "
+            f"{'it' if one else 'them'} afresh. Build {'it' if one else 'each'} with the "
+            f"variables it updates before `fit`, e.g. `self.{unbuilt[0]}.build("
+            "self.discriminator.trainable_variables)` in the model's `compile`. "
+            "Nothing was restored."
+        )
 
 
 def _h5_layout(path):

@@ -262,6 +262,10 @@ def wrap_optimizers(model, scaler_for, compile_settings):
             continue
         wrapped = scaler_for(optimizer, model, **settings)
         if wrapped is not optimizer:
+            if optimizer.built and not wrapped.built:
+                # Built before fit (what a resumed run needs to get its
+                # state back, in Keras too): so is its scaler.
+                wrapped.build(_keras_internals.built_variables(optimizer))
             setattr(model, name, wrapped)
     # Each scaler's warnings name the attribute that holds it.
     for name, optimizer in _optimizers.scaling_optimizers(model).items():

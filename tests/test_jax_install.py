@@ -7,8 +7,9 @@ starts, since this process has imported whatever other tests import: the
 first watches `sys.modules` where TensorFlow is installed, the second makes
 `import tensorflow` fail, from before `import kmp`, as it does where it is not.
 What needs TensorFlow on JAX, a SavedModel export, names it:
-test_without_tensorflow.py. `.ci/run` runs kmp's JAX step, callbacks, guard
-and export files again in an environment without TensorFlow (`.venv-jax/`).
+test_without_tensorflow.py. `.ci/run` runs kmp's JAX step, callbacks, convert
+and export file and these again in an environment without TensorFlow
+(`.venv-jax/`).
 """
 
 import json

@@ -168,8 +168,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._monitored = False
         object.__setattr__(self, "_warned", set())
         object.__setattr__(self, "_kmp_record", _handoff.StepRecord())
-        # Values that carry the scale, registered by their owner (float8's
-        # histories: `kmp.scaling._step.follow_scale`).
+        # Values that carry the scale, registered by their owner (`_step.follow_scale`: float8's).
         object.__setattr__(self, "_kmp_scale_followers", ())
 
     def __setattr__(self, name, value):  # a rate set here is the inner's, tracked there alone

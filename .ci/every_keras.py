@@ -11,7 +11,7 @@ Keras (the whole suite) and on the oldest (the core files whole).
 Writes `.ci/every-keras-tensorflow.txt` (chosen among the fast tier of
 `CORE_TESTS`) and `.ci/every-keras-jax.txt` (among `OLDER_JAX_TESTS`, on
 JAX), one test function a line. Run it from the repository root on the newest
-Keras after adding kmp code or moving tests (about 15 minutes on two
+Keras after adding kmp code or moving tests (about 10 minutes on two
 cores); it needs `coverage` and `pytest-cov`, which are not test extras:
 
     pip install coverage pytest-cov && python .ci/every_keras.py

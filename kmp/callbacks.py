@@ -30,6 +30,7 @@ from kmp.monitor._arguments import resolve_optimizers as _resolve_optimizers
 from kmp.monitor._csv import CSV_COLUMNS  # noqa: F401 (the CSV's header, read here)
 from kmp.monitor._progbar import _ProgbarLogger
 from kmp.monitor._steps import WatchedOptimizer
+from kmp.monitor._steps import check_paths
 from kmp.scaling._optimizers import read_counters as _read_counters  # noqa: F401 (tests read it here)
 from kmp.scaling._optimizers import scaling_optimizers
 
@@ -298,6 +299,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                     messages.nothing_to_monitor(self.model.dtype_policy.compute_dtype)
                 )
             return
+        check_paths(self.csv_path, self.plot_path, [name if len(found) > 1 else None for name in found])
         # kmp.Model.fit has done this already for the model's attributes; for
         # a plain keras.Model, or instances it does not hold, it retraces the
         # step Keras built.

@@ -198,6 +198,20 @@ def test_a_path_under_a_file_is_refused_when_made(tmp_path, name):
     assert (tmp_path / "notes").read_text() == "the user's notes"
 
 
+@pytest.mark.parametrize("name", ["csv_path", "plot_path"])
+def test_a_folder_made_at_the_path_after_the_monitor_is_refused_before_any_step(tmp_path, name):
+    model = _model()
+    monitor = kmp.callbacks.LossScaleMonitor(**{name: tmp_path / "out"})
+    (tmp_path / "out").mkdir()  # made after the monitor: once found at the first write
+    before = [v.numpy() for v in model.weights]
+    with pytest.raises(ValueError, match=f"`{name}` must be the path of a file to write, but "
+                       "it names an existing folder"):
+        _fit(model, _data(4), callbacks=[monitor])
+    assert int(model.optimizer.iterations) == 0 and list((tmp_path / "out").iterdir()) == []
+    for value, variable in zip(before, model.weights):
+        np.testing.assert_array_equal(variable.numpy(), value)
+
+
 def test_stops_after_consecutive_forward_overflows(capsys):
     model = _model()
     monitor = kmp.callbacks.LossScaleMonitor(max_consecutive_skips=3, warn_skip_rate=None)

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from kmp import _keras_internals
+from kmp.monitor._arguments import check_path
 from kmp.monitor import _messages as messages
 from kmp.monitor._csv import StepCsv
 from kmp.monitor._ledger import Ledger
@@ -35,6 +36,15 @@ def _path_for(path, name):
         return path
     root, extension = os.path.splitext(path)
     return f"{root}.{name}{extension}"
+
+
+def check_paths(csv_path, plot_path, names):
+    """Checks again, when a fit begins, the files each watched optimizer
+    (`names`; None for one alone) will write: a folder made at one since the
+    monitor was made is named before any step, not at the first write."""
+    for name in names:
+        check_path("csv_path", _path_for(csv_path, name))
+        check_path("plot_path", _path_for(plot_path, name))
 
 
 def _read_step(model, optimizer, logs, loss_log="loss"):

@@ -310,12 +310,18 @@ def _conftest_tuple(name):
     return value
 
 
+@functools.lru_cache(maxsize=None)  # each file parsed once: a list names up to 16 tests of one
+def _functions_of(source):
+    """The names of the functions `source` (a test file's path) defines."""
+    return {node.name for node in ast.walk(ast.parse(source.read_text()))
+            if isinstance(node, ast.FunctionDef)}
+
+
 def test_the_slow_tier_names_tests_that_exist():
     # tests/conftest.py marks tests slow by file and name: a renamed test
     # would silently join the fast tier.
     SLOW = _conftest_tuple("SLOW")
     missing = []
-    functions = {}  # each file parsed once: SLOW names up to 16 tests of one file
     for entry in SLOW:
         file, _, name = entry.partition("::")
         # conftest matches a file by its name, in tests/ or tests/peers/.
@@ -324,15 +330,8 @@ def test_the_slow_tier_names_tests_that_exist():
         if not sources:
             missing.append(entry)
             continue
-        source = sources[0]
-        if name:
-            if source not in functions:
-                functions[source] = {
-                    node.name for node in ast.walk(ast.parse(source.read_text()))
-                    if isinstance(node, ast.FunctionDef)
-                }
-            if name not in functions[source]:
-                missing.append(entry)
+        if name and name not in _functions_of(sources[0]):
+            missing.append(entry)
     assert not missing, f"tests/conftest.py SLOW names tests that do not exist: {missing}"
 
 
@@ -362,14 +361,10 @@ def test_the_tests_every_keras_minor_runs_exist_in_the_files_they_are_chosen_fro
     chosen = [line for line in (_ROOT / ".ci" / f"every-keras-{backend}.txt").read_text().splitlines()
               if not line.startswith("#")]
     assert len(chosen) >= 10 and len(set(chosen)) == len(chosen)
-    functions = {}
     for entry in chosen:
         file, _, name = entry.partition("::")
         assert file in files, entry
-        if file not in functions:
-            functions[file] = {node.name for node in ast.walk(ast.parse((_ROOT / file).read_text()))
-                               if isinstance(node, ast.FunctionDef)}
-        assert name in functions[file], f"{entry} is not a test function of {file}"
+        assert name in _functions_of(_ROOT / file), f"{entry} is not a test function of {file}"
 
 
 def test_readme_is_a_front_page():

@@ -256,6 +256,16 @@ class Model(_keras_internals.ModelBase):
             # kmp made this scaler: it goes on from the last one.
             _scaling_compile.continue_scaling(self, previous, optimizer)
 
+    def load_weights(self, filepath, *args, **kwargs):
+        """`keras.Model.load_weights`. On a compiled model, the optimizers
+        its own `compile` set (a GAN's `d_optimizer`) first become the
+        scalers the first fit would make, which is what a file saved after a
+        fit holds: otherwise Keras would skip their state, its count of
+        variables not matching."""
+        if self.compiled:
+            _model_step.wrap_optimizers(self, _scaling_compile.scaler_for, _scaling_compile.SETTINGS)
+        return super().load_weights(filepath, *args, **kwargs)
+
     def get_compile_config(self):
         return _scaling_compile.with_settings(
             self, super().get_compile_config(), _model_step.is_users_scaler)
@@ -265,15 +275,8 @@ class Model(_keras_internals.ModelBase):
             return super().compile_from_config(config)
         _scaling_compile.compile_from_config(self, config)  # ours takes the config's arguments
 
-    def export(
-        self,
-        filepath,
-        format="tf_saved_model",
-        verbose=None,
-        input_signature=None,
-        inference_policy=None,
-        **kwargs,
-    ):
+    def export(self, filepath, format="tf_saved_model", verbose=None, input_signature=None,
+               inference_policy=None, **kwargs):
         """Exports the model for inference, computing in `inference_policy`.
 
         `keras.Model.export` plus `inference_policy` (`"float32"`,
@@ -286,15 +289,9 @@ class Model(_keras_internals.ModelBase):
         model.export("serving/", inference_policy="float32")
         ```
         """
-        return export_module.export(
-            self,
-            filepath,
-            format=format,
-            verbose=verbose,
-            input_signature=input_signature,
-            inference_policy=inference_policy,
-            **kwargs,
-        )
+        return export_module.export(self, filepath, format=format, verbose=verbose,
+                                    input_signature=input_signature,
+                                    inference_policy=inference_policy, **kwargs)
 
     @property
     def losses(self):

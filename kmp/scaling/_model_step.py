@@ -57,6 +57,17 @@ def applied(scalers):
     return [optimizer for optimizer in scalers if optimizer._kmp_record.answer is not None]
 
 
+def all_applied(scalers):
+    """Whether every scaler that answered in this model step applied its
+    step: a boolean tensor, or `None` where none answered (no `apply`, or
+    only with `enabled=False`). A custom step that skips puts back what its
+    forward pass wrote (a BatchNormalization's moving statistics), as
+    kmp.Model's own step does."""
+    answers = [optimizer._kmp_record.answer for optimizer in applied(scalers)]
+    finite = [ops.cast(answer.finite, "bool") for answer in answers if answer.finite is not None]
+    return functools.reduce(ops.logical_and, finite) if finite else None
+
+
 def pop_monitor_logs(logs):
     """Takes the monitor's per-step values out of `logs` (in place), so that
     the progress bar, History, TensorBoard and CSVLogger, which show every key,

@@ -452,10 +452,11 @@ def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables, 
         )
         return new_trainable, list(optimizer_variables[:own]) + list(new_inner)
     divide, _ = _handoff.take_for_apply(optimizer, grads)
-    # Applied; no loss kept: one recorded in a traced function must not
-    # outlive its trace.
-    optimizer._kmp_record.answer = _handoff.StepAnswer()
-    new_trainable, new_values, _, _ = stateless_step(
+    new_trainable, new_values, finite, _ = stateless_step(
         optimizer, optimizer_variables, grads, trainable_variables, loss=loss, divide=divide
     )
+    # Applied; no loss kept, and whether it was finite only in kmp.Model's
+    # step, whose end forgets it: nothing traced may outlive its trace.
+    record = optimizer._kmp_record
+    record.answer = _handoff.StepAnswer(finite if record.in_model_step else None)
     return new_trainable, new_values

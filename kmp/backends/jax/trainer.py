@@ -35,6 +35,7 @@ from keras import ops
 
 from kmp import _keras_internals
 from kmp.scaling import _model_step
+from kmp.scaling import _optimizers
 from kmp.scaling import _retry
 from kmp.scaling import _step as _scaling_step
 from kmp import loss_scale as loss_scale_module
@@ -247,14 +248,18 @@ def reporting_step(model, step, own):
         kwargs = {} if retries_left is None else {"retries_left": retries_left}
         # Each scaler forgets what it recorded when the step ends: nothing
         # traced may outlive the trace.
+        given = state
         with _model_step.inside_model_step(model, own) as scalers:
             mapping = _scaler_state_mapping(model, scalers, state)
             if not mapping:  # no scaler (float32 without the guard): as Keras runs it
                 logs, state = step(model, state, data, **kwargs)
             else:
-                with _ScalerState(mapping) as scope:
+                with _ScalerState(mapping + _regularized(model, mapping)) as scope:
                     logs, state = step(model, state, data, **kwargs)
                 scope.assign_updates()
+            finite = None if own else _model_step.all_applied(scalers)
+        if finite is not None and len(state) == len(given) == 4:
+            state = (state[0], _forward_state_unless(model, finite, state[1], given[1]), *state[2:])
         if isinstance(logs, dict) and len(state) == 4:
             logs = dict(logs, **_scaler_logs(model, state[2], retries_left is not None))
         return logs, state
@@ -285,6 +290,32 @@ def _scaler_state_mapping(model, scalers, state):
         if len(variables) == len(values):
             mapping += [(v, value) for v, value in zip(variables, values) if id(v) in wanted]
     return mapping
+
+
+def _forward_state_unless(model, finite, new, old):
+    """A custom step's new non-trainable values, where `finite` is false
+    those it was given: what its forward pass wrote (a BatchNormalization's
+    moving statistics) as kmp.Model's own step keeps it. The metrics' and
+    the optimizers' variables (a scaler's counters) keep the step's values."""
+    kept = {id(v) for v in model.metrics_variables}
+    for optimizer in _optimizers.optimizers_by_attribute(model).values():
+        kept.update(id(v) for v in optimizer.variables)
+    variables = model.non_trainable_variables
+    if len(variables) != len(new):
+        return new
+    return [after if after is before or id(v) in kept else ops.where(finite, after, before)
+            for v, after, before in zip(variables, new, old)]
+
+
+def _regularized(model, mapping):
+    """`(variable, value)` for the model's regularized trainable variables
+    that `mapping` leaves out, each to its value now: inside a stateless
+    scope Keras reads a regularizer's variable from the scope (`None` where
+    unmapped, which failed in the regularizer), and outside one the
+    variable itself, as a custom step that calls `compute_loss` does."""
+    mapped = {id(v) for v, _ in mapping}
+    return [(v, v.value) for v in model.trainable_variables
+            if getattr(v, "regularizer", None) is not None and id(v) not in mapped]
 
 
 class _ScalerState(keras.StatelessScope):

@@ -124,9 +124,13 @@ def reporting_step(model, train_step, own):
     @functools.wraps(train_step)
     def train_step_with_scaler_logs(data):
         _model_step.check_overflow_retries(model, own)
+        layer_state = layer_state_module.ForwardState(model)
         with _model_step.inside_model_step(model, own) as scalers:
             logs = train_step(model, data)
             applied = _model_step.applied(scalers)
+            finite = _model_step.all_applied(scalers)
+            if finite is not None:  # a skipped step's forward pass wrote nothing
+                layer_state.restore_unless(finite)
             if applied and isinstance(logs, dict):
                 answer = applied[0]._kmp_record.answer if len(applied) == 1 else None
                 logs = dict(logs, **_model_step.scaler_logs(

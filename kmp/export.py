@@ -42,8 +42,10 @@ otherwise                                                -> the new policy
 """
 
 import contextlib
+import functools
 import importlib.util
 import os
+import warnings
 import zipfile
 
 import keras
@@ -477,22 +479,50 @@ def load_model(filepath, policy=None, custom_objects=None, compile=True, safe_mo
         )
     _check_complete_archive(filepath)
     _registered.keep()  # kmp's classes, whatever cleared Keras' custom objects
+    load = functools.partial(keras.saving.load_model, filepath, custom_objects=custom_objects,
+                             compile=compile, safe_mode=safe_mode)
     if policy_name is None:
-        return keras.saving.load_model(
-            filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
-        )
+        return _load_with_optimizer_state(load, None)
     # Loaded under float32 so that the global policy cannot leak into the
     # model's own policy: compile() must see the precision the file was saved
     # in, or it would build an optimizer whose variables do not match the
     # saved ones and Keras would drop the optimizer state.
-    with policy_module.policy_scope("float32"):
-        model = keras.saving.load_model(
-            filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
-        )
+    model = _load_with_optimizer_state(load, "float32")
     for layer, new_policy in _inference_policies(model, policy_name).items():
         layer.dtype_policy = new_policy
     if compile:
         _add_loss_scaling_if_needed(model)
+    return model
+
+
+_SKIPPED_OPTIMIZER = "Skipping variable loading for optimizer"
+
+
+def _load_with_optimizer_state(load, policy_name):
+    """`load()` under `policy_name` (`None`: the active policy), or, where
+    Keras skipped the optimizer's saved state, under `"mixed_float16"`.
+
+    A `keras.Model` saved under Keras' global `mixed_float16` stores no policy
+    of its own: its `compile` wrapped the optimizer in Keras' own
+    `LossScaleOptimizer` because of that global policy, and loaded under
+    another one it builds the bare optimizer, whose variables do not match
+    the saved ones (Keras warns and loads none). Keras' warnings of the load
+    kept are shown.
+    """
+    loaded = []
+    for name in dict.fromkeys((policy_name, "mixed_float16")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with contextlib.nullcontext() if name is None else policy_module.policy_scope(name):
+                model = load()
+        skipped = any(_SKIPPED_OPTIMIZER in str(w.message) for w in caught)
+        loaded.append((model, caught))
+        if not skipped:
+            break
+    # Neither holds the state: Keras' own load, and its warning.
+    model, caught = loaded[0] if skipped else loaded[-1]
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return model
 
 

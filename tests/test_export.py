@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import keras
 import numpy as np
@@ -35,13 +36,13 @@ AGAINST_FLOAT32 = 4 * 2
 BETWEEN_ENGINES = 2 * 2
 
 
-def _tiny_model():
+def _tiny_model(model_class=None):
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="relu")(inputs)
     hidden = keras.layers.LayerNormalization()(hidden)
     outputs = keras.layers.Dense(3)(hidden)
     outputs = keras.layers.Softmax()(outputs)
-    return kmp.Model(inputs, outputs)
+    return (model_class or kmp.Model)(inputs, outputs)
 
 
 def _data(n=16):
@@ -453,6 +454,30 @@ def test_load_float32_file_under_float16_adds_loss_scaling_keeps_slots(tmp_path)
     # A step may overflow at 2**15 in float16: skipped, it is not applied.
     skipped = int(loaded.optimizer.skipped_steps)
     assert int(loaded.optimizer.iterations) == 4 - skipped
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", None])
+def test_load_of_a_keras_file_saved_under_keras_own_float16_keeps_its_optimizer(tmp_path, policy):
+    # Keras' model stores no policy of its own: loaded under float32, its
+    # compile built a bare Adam (10 variables) against the 14 saved by Keras'
+    # own LossScaleOptimizer, and Keras skipped them ("Skipping variable
+    # loading for optimizer"): iterations and Adam's moments came back 0.
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        model = _tiny_model(keras.Model)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(_data(16), np.arange(16) % 3, batch_size=4, verbose=0)
+        model.save(tmp_path / "keras.keras")
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Skipping variable loading")
+        loaded = kmp.load_model(tmp_path / "keras.keras", policy=policy)
+    assert loaded.layers[1].compute_dtype == "float16"
+    assert isinstance(loaded.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) > 0
+    for saved, restored in zip(model.optimizer.variables, loaded.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(saved), np.asarray(restored))
 
 
 # --- Keras' legacy .h5 format --------------------------------------------------

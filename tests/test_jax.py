@@ -386,6 +386,27 @@ def test_gradient_accumulation_is_a_clear_error_on_jax():
         optimizer.build([keras.Variable(np.ones(2, "float32"))])
 
 
+def test_accumulation_under_bfloat16_names_the_compile_argument_that_trains_it():
+    # Under mixed_bfloat16 the scaler is the guard kmp's compile added: its
+    # error now says how to train as Keras does, which fits.
+    kmp.set_policy("mixed_bfloat16")
+    inputs = keras.Input((3,))
+    model = kmp.Model(inputs, keras.layers.Dense(1)(inputs))
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    model.compile(keras.optimizers.SGD(gradient_accumulation_steps=2), "mse")
+    with pytest.raises(ValueError, match=r"compile with `skip_nonfinite=False`.*"
+                                         r"gradient_accumulation_steps=2"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    model.compile(keras.optimizers.SGD(gradient_accumulation_steps=2), "mse", skip_nonfinite=False)
+    model.fit(x, y, batch_size=4, verbose=0)
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    plain = keras.Model(inputs, model.layers[-1](inputs))  # the same layer, Keras' step
+    plain.compile(keras.optimizers.SGD(gradient_accumulation_steps=2), "mse")
+    plain.fit(x, y, batch_size=4, verbose=0)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 1
+
+
 def _grad_loop(model, optimizer, x, y, steps, scale_line=True):
     """keras.io's stateless JAX loop; `scale_line`: the one line kmp adds."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

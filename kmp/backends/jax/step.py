@@ -70,8 +70,12 @@ def check_buildable(optimizer):
         raise ValueError(
             "On the JAX backend kmp.LossScaleOptimizer does not combine with the inner "
             "optimizer's `gradient_accumulation_steps` (a window with an overflow cannot be "
-            "discarded whole there). Use the TensorFlow backend, or a larger batch. "
-            f"Received: gradient_accumulation_steps={steps}"
+            "discarded whole there). Use the TensorFlow backend, or a larger batch"
+            + ("" if optimizer.scaling else
+               ", or, where kmp.Model's compile added this scaler as the guard (a scale fixed at 1 "
+               "that skips non-finite steps), compile with `skip_nonfinite=False`, which trains "
+               "without it as Keras does")
+            + f". Received: gradient_accumulation_steps={steps}"
         )
 
 

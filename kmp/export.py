@@ -500,17 +500,19 @@ _SKIPPED_OPTIMIZER = "Skipping variable loading for optimizer"
 
 def _load_with_optimizer_state(load, policy_name):
     """`load()` under `policy_name` (`None`: the active policy), or, where
-    Keras skipped the optimizer's saved state, under `"mixed_float16"`.
+    Keras skipped the optimizer's saved state, under `"mixed_float16"`, then
+    `"float32"`.
 
     A `keras.Model` saved under Keras' global `mixed_float16` stores no policy
     of its own: its `compile` wrapped the optimizer in Keras' own
     `LossScaleOptimizer` because of that global policy, and loaded under
     another one it builds the bare optimizer, whose variables do not match
-    the saved ones (Keras warns and loads none). Keras' warnings of the load
-    kept are shown.
+    the saved ones (Keras warns and loads none); a float32 file loaded under
+    kmp's global `mixed_float16` would get a scaler it never had. Keras'
+    warnings of the load kept are shown.
     """
     loaded = []
-    for name in dict.fromkeys((policy_name, "mixed_float16")):
+    for name in dict.fromkeys((policy_name, "mixed_float16", "float32")):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with contextlib.nullcontext() if name is None else policy_module.policy_scope(name):

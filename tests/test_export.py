@@ -480,6 +480,25 @@ def test_load_of_a_keras_file_saved_under_keras_own_float16_keeps_its_optimizer(
         np.testing.assert_array_equal(np.asarray(saved), np.asarray(restored))
 
 
+def test_load_of_a_float32_file_under_kmps_global_float16_keeps_the_files_policy_and_optimizer(tmp_path):
+    # `policy=None` is the file's policies: under kmp's global mixed_float16
+    # its compile wrapped the optimizer in a scaler the file never had, and
+    # Keras skipped the saved Adam (15 variables against 10).
+    model = _tiny_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(_data(16), np.arange(16) % 3, batch_size=4, verbose=0)
+    model.save(tmp_path / "f32.keras")
+    kmp.set_policy("mixed_float16")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Skipping variable loading")
+        loaded = kmp.load_model(tmp_path / "f32.keras")
+    assert [layer.compute_dtype for layer in loaded.layers[1:]] == ["float32"] * 4
+    assert type(loaded.optimizer) is keras.optimizers.Adam
+    assert int(loaded.optimizer.iterations) == 4
+    for saved, restored in zip(model.optimizer.variables, loaded.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(saved), np.asarray(restored))
+
+
 # --- Keras' legacy .h5 format --------------------------------------------------
 
 

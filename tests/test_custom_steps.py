@@ -1,6 +1,7 @@
 """Every way Keras users train: their own train_step (keras.io's DCGAN and VAE
 shapes), several optimizers, and loops outside fit."""
 
+import functools
 import warnings
 
 import keras
@@ -342,27 +343,32 @@ class _CrashAtSecondEpoch(keras.callbacks.Callback):
             raise RuntimeError("the machine went away")
 
 
+def _mixed_float16_gan(optimizers_built):
+    """A compiled and built kmp.Model GAN under mixed_float16, seeded; its
+    `compile` builds its two optimizers where `optimizers_built` (the
+    documented line, as Keras' own resume needs)."""
+    class GAN(_gan_class(kmp.Model, scaled=True)):
+        def compile(self, d_optimizer, g_optimizer, loss_fn):
+            super().compile(d_optimizer, g_optimizer, loss_fn)
+            if optimizers_built:
+                d_optimizer.build(self.discriminator.trainable_variables)
+                g_optimizer.build(self.generator.trainable_variables)
+
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = GAN()
+    model.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3),
+                  keras.losses.BinaryCrossentropy(from_logits=True))
+    model(np.zeros((1, _LATENT), "float32"))  # Keras' BackupAndRestore wants it built
+    return model
+
+
 @pytest.mark.parametrize("built", [True, False], ids=["optimizers_built", "unbuilt"])
 def test_a_gan_resumes_from_kmps_backup_with_its_optimizers_state(tmp_path, built):
     # kmp once built the unused `model.optimizer` and raised "its variables
     # are another model's" for the same GAN; an optimizer built before fit
     # was wrapped in an unbuilt scaler, so no resume could keep its state.
-    class GAN(_gan_class(kmp.Model, scaled=True)):
-        def compile(self, d_optimizer, g_optimizer, loss_fn):
-            super().compile(d_optimizer, g_optimizer, loss_fn)
-            if built:  # the documented line, as Keras' own resume needs
-                d_optimizer.build(self.discriminator.trainable_variables)
-                g_optimizer.build(self.generator.trainable_variables)
-
-    def gan():
-        kmp.set_policy("mixed_float16")
-        keras.utils.set_random_seed(0)
-        model = GAN()
-        model.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3),
-                      keras.losses.BinaryCrossentropy(from_logits=True))
-        model(np.zeros((1, _LATENT), "float32"))  # Keras' BackupAndRestore wants it built
-        return model
-
+    gan = functools.partial(_mixed_float16_gan, optimizers_built=built)
     data = _gan_data(poison_step=1)  # a skipped step: the counters hold something
     reference = gan()
     reference.fit(data, epochs=2, verbose=0)
@@ -396,21 +402,7 @@ def test_load_weights_into_a_fresh_compiled_gan_keeps_its_optimizers_state(tmp_p
     # saved after a fit was loaded into the plain optimizers its `compile`
     # set, and Keras skipped their state with a warning (15 variables saved,
     # 10 built), where Keras alone keeps it.
-    class GAN(_gan_class(kmp.Model, scaled=True)):
-        def compile(self, d_optimizer, g_optimizer, loss_fn):
-            super().compile(d_optimizer, g_optimizer, loss_fn)
-            d_optimizer.build(self.discriminator.trainable_variables)
-            g_optimizer.build(self.generator.trainable_variables)
-
-    def gan():
-        kmp.set_policy("mixed_float16")
-        keras.utils.set_random_seed(0)
-        model = GAN()
-        model.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3),
-                      keras.losses.BinaryCrossentropy(from_logits=True))
-        model(np.zeros((1, _LATENT), "float32"))
-        return model
-
+    gan = functools.partial(_mixed_float16_gan, optimizers_built=True)
     data = _gan_data(poison_step=1)  # a skipped step: the counters hold something
     trained = gan()
     trained.fit(data, epochs=1, verbose=0)

@@ -57,13 +57,13 @@ def applied(scalers):
     return [optimizer for optimizer in scalers if optimizer._kmp_record.answer is not None]
 
 
-def all_applied(scalers):
-    """Whether every scaler that answered in this model step applied its
-    step: a boolean tensor, or `None` where none answered (no `apply`, or
+def all_applied(applied_scalers):
+    """Whether every scaler of `applied(scalers)` applied its step: a
+    boolean tensor, or `None` where none answered whether (no `apply`, or
     only with `enabled=False`). A custom step that skips puts back what its
     forward pass wrote (a BatchNormalization's moving statistics), as
     kmp.Model's own step does."""
-    answers = [optimizer._kmp_record.answer for optimizer in applied(scalers)]
+    answers = [optimizer._kmp_record.answer for optimizer in applied_scalers]
     finite = [ops.cast(answer.finite, "bool") for answer in answers if answer.finite is not None]
     return functools.reduce(ops.logical_and, finite) if finite else None
 

@@ -257,7 +257,7 @@ def reporting_step(model, step, own):
                 with _ScalerState(mapping + _regularized(model, mapping)) as scope:
                     logs, state = step(model, state, data, **kwargs)
                 scope.assign_updates()
-            finite = None if own else _model_step.all_applied(scalers)
+            finite = None if own else _model_step.all_applied(_model_step.applied(scalers))
         if finite is not None and len(state) == len(given) == 4:
             state = (state[0], _forward_state_unless(model, finite, state[1], given[1]), *state[2:])
         if isinstance(logs, dict) and len(state) == 4:

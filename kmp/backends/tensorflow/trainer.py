@@ -128,7 +128,7 @@ def reporting_step(model, train_step, own):
         with _model_step.inside_model_step(model, own) as scalers:
             logs = train_step(model, data)
             applied = _model_step.applied(scalers)
-            finite = _model_step.all_applied(scalers)
+            finite = _model_step.all_applied(applied)
             if finite is not None:  # a skipped step's forward pass wrote nothing
                 layer_state.restore_unless(finite)
             if applied and isinstance(logs, dict):
